@@ -1,0 +1,134 @@
+"""The allocator base class that backends implement and the environment shares."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import TYPE_CHECKING
+
+from ._errors import ClosedError, InvalidArgument
+from ._tensor import Buffer
+from ._types import MemoryInfo
+
+if TYPE_CHECKING:
+    from ._stream import SyncStream
+
+__all__ = ["Allocator"]
+
+
+class Allocator(abc.ABC):
+    """Hands out :class:`Buffer` objects in one kind of memory (ORT's ``OrtAllocator``).
+
+    Backends implement :meth:`_allocate` and :meth:`_free`; this base class does
+    the bookkeeping (live buffers, statistics, closing) and is thread-safe:
+    buffers may be released from any thread.
+    """
+
+    def __init__(self, memory_info: MemoryInfo) -> None:
+        self.memory_info = memory_info
+        self._lock = threading.Lock()
+        self._live_buffers = 0
+        self._bytes_in_use = 0
+        self._peak_bytes_in_use = 0
+        self._num_allocs = 0
+        self._closed = False
+        self._retired = False
+
+    # -- what a backend implements ---------------------------------------------------------
+    @abc.abstractmethod
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        """Reserve ``nbytes`` (> 0) and return the device address."""
+
+    @abc.abstractmethod
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        """Give back memory that :meth:`_allocate` returned; called from any thread."""
+
+    def _close(self) -> None:  # noqa: B027 - optional hook
+        """Release backend resources; called once, after the last buffer is gone."""
+
+    # -- public API ------------------------------------------------------------------------
+    def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
+        """Allocate ``nbytes`` and return a buffer that frees itself when dropped.
+
+        ``stream`` names the stream that will use the memory (stream-aware
+        allocators such as the arena use it to decide which freed memory is safe).
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+            )
+        if self._closed or self._retired:
+            raise ClosedError(f"allocator {self.memory_info.name!r} is closed")
+        ptr = self._allocate(nbytes, stream) if nbytes else 0
+        with self._lock:
+            self._live_buffers += 1
+            self._num_allocs += 1
+            self._bytes_in_use += nbytes
+            self._peak_bytes_in_use = max(self._peak_bytes_in_use, self._bytes_in_use)
+        return Buffer(
+            ptr,
+            nbytes,
+            self.memory_info,
+            allocator=self,
+            release=lambda: self._release(ptr, nbytes, stream),
+            stream=stream,
+        )
+
+    def free(self, buffer: Buffer) -> None:
+        """Free ``buffer`` now (it must come from this allocator)."""
+        if buffer.allocator is not self:
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r} did not allocate {buffer!r}"
+            )
+        buffer.free()
+
+    def _release(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        if nbytes:
+            self._free(ptr, nbytes, stream)
+        with self._lock:
+            self._live_buffers -= 1
+            self._bytes_in_use -= nbytes
+            close_now = self._retired and self._live_buffers == 0
+        if close_now:
+            self.close()
+
+    @property
+    def live_buffers(self) -> int:
+        """Buffers handed out and not yet freed."""
+        return self._live_buffers
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    def stats(self) -> dict[str, int]:
+        """Counters in ORT's key names where one exists (``NumAllocs``, ``InUse`` ...)."""
+        with self._lock:
+            return {
+                "NumAllocs": self._num_allocs,
+                "InUse": self._bytes_in_use,
+                "MaxInUse": self._peak_bytes_in_use,
+                "LiveBuffers": self._live_buffers,
+            }
+
+    def retire(self) -> None:
+        """Stop handing out memory and close once the last live buffer is freed."""
+        with self._lock:
+            self._retired = True
+            close_now = self._live_buffers == 0
+        if close_now:
+            self.close()
+
+    def close(self) -> None:
+        """Stop handing out memory and release backend resources; idempotent.
+
+        Live buffers stay valid: they are still returned through :meth:`_free`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.memory_info.name!r} live={self._live_buffers}>"

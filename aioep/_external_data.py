@@ -1,0 +1,39 @@
+"""External data loaders (ORT's ``IExternalDataLoader``): put initializer bytes from a file
+straight into device memory."""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import TYPE_CHECKING
+
+from ._types import MemoryInfo
+
+if TYPE_CHECKING:
+    from ._stream import SyncStream
+    from ._tensor import Tensor
+
+__all__ = ["ExternalDataLoader"]
+
+
+class ExternalDataLoader(abc.ABC):
+    """Loads ``length`` bytes at ``offset`` of a file into a device tensor."""
+
+    @abc.abstractmethod
+    def can_load(self, memory_info: MemoryInfo) -> bool:
+        """True if this loader can fill tensors in ``memory_info``."""
+
+    @abc.abstractmethod
+    async def load_tensor(
+        self,
+        path: str | os.PathLike[str],
+        offset: int,
+        length: int,
+        tensor: Tensor,
+        *,
+        stream: SyncStream | None = None,
+    ) -> None:
+        """Read the bytes and place them in ``tensor`` (already validated by the caller)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; called when the library is unregistered."""

@@ -1,0 +1,192 @@
+"""The host CPU device, built into the core: an aligned allocator, a parallel memcpy data
+transfer and an in-order worker-thread stream."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._allocator import Allocator
+from ._device import EpDevice
+from ._errors import DeviceError, InvalidArgument
+from ._factory import EpFactory, FactoryOptions
+from ._stream_impl import StreamImpl, ThreadStream
+from ._tensor import HOST_MEMORY_INFO
+from ._transfer import CopyPair, DataTransfer
+from ._types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
+
+if TYPE_CHECKING:
+    from ._stream import SyncStream
+
+__all__ = ["HostAllocator", "HostDataTransfer", "HostFactory", "host_hardware_device"]
+
+HOST_EP_NAME = "host"
+_CPU_VENDORS = {"GenuineIntel": (0x8086, "Intel"), "AuthenticAMD": (0x1022, "AMD")}
+
+
+def host_hardware_device() -> HardwareDevice:
+    """The machine's CPU as a hardware device (vendor read from /proc/cpuinfo where present)."""
+    vendor_id, vendor = 0, platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor_id, vendor = _CPU_VENDORS.get(line.split(":", 1)[1].strip(), (0, vendor))
+                    break
+    except OSError:
+        pass
+    return HardwareDevice(
+        DeviceType.CPU, vendor_id, 0, vendor, {"cpu_count": str(os.cpu_count() or 1)}
+    )
+
+
+class HostAllocator(Allocator):
+    """Aligned host memory backed by numpy (not zero-filled)."""
+
+    def __init__(self, memory_info: MemoryInfo = HOST_MEMORY_INFO) -> None:
+        super().__init__(memory_info)
+        self._blocks: dict[int, np.ndarray[Any, Any]] = {}
+        self._blocks_lock = threading.Lock()
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        align = self.memory_info.alignment
+        try:
+            raw = np.empty(nbytes + align - 1, dtype=np.uint8)
+        except MemoryError as exc:
+            raise DeviceError(
+                f"host allocator {self.memory_info.name!r}: out of memory allocating {nbytes} bytes"
+            ) from exc
+        base = raw.__array_interface__["data"][0]
+        ptr = (base + align - 1) & ~(align - 1)
+        with self._blocks_lock:
+            self._blocks[ptr] = raw
+        return ptr
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        with self._blocks_lock:
+            self._blocks.pop(ptr, None)
+
+
+_memmove = ctypes.memmove  # a C call that releases the GIL while it copies
+
+
+class HostDataTransfer(DataTransfer):
+    """Copies between any host-accessible memories (host RAM, pinned memory of any backend).
+
+    Small batches are copied inline; large buffers are split into chunks that a
+    pool of worker threads copies in parallel (memmove releases the GIL).
+    """
+
+    max_inline_bytes = 256 * 1024
+    parallel_threshold = 4 * 1024 * 1024
+
+    def __init__(self, workers: int | None = None) -> None:
+        self._workers = max(1, workers or os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
+        return src.is_host_accessible and dst.is_host_accessible
+
+    def can_use_stream(self, stream: StreamImpl) -> bool:
+        return isinstance(stream, ThreadStream)
+
+    def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
+        jobs = [(d.data_ptr, s.data_ptr, s.nbytes) for s, d in pairs if s.nbytes]
+        if stream is None:
+            self._copy(jobs)
+        else:
+            assert isinstance(stream, ThreadStream)
+            stream.enqueue(lambda: self._copy(jobs))
+
+    def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
+        big = [j for j in jobs if j[2] >= self.parallel_threshold]
+        for dst, src, n in jobs:
+            if n < self.parallel_threshold:
+                _memmove(dst, src, n)
+        if not big:
+            return
+        if self._workers == 1:
+            for dst, src, n in big:
+                _memmove(dst, src, n)
+            return
+        chunks = []
+        for dst, src, n in big:
+            step = max(1 << 20, -(-n // (self._workers * 4)))
+            chunks += [(dst + o, src + o, min(step, n - o)) for o in range(0, n, step)]
+        pool = self._get_pool()
+        # This thread copies too: submit all but a share, then work through the rest.
+        share = len(chunks) // self._workers
+        futures: list[Future[Any]] = [pool.submit(_memmove, *c) for c in chunks[share:]]
+        for c in chunks[:share]:
+            _memmove(*c)
+        for f in futures:
+            f.result()
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._workers - 1, thread_name_prefix="aioep-host-copy"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class HostFactory(EpFactory):
+    """The built-in host CPU backend; registered under the name ``host`` in every environment.
+
+    Options: ``copy_threads`` (int >= 1, default: CPU count) for large host copies.
+    """
+
+    name = HOST_EP_NAME
+    vendor = "aioep"
+    version = "0.1.0"
+
+    def __init__(self, options: FactoryOptions | None = None) -> None:
+        opts = dict(options or {})
+        threads = opts.pop("copy_threads", None)
+        if opts:
+            raise InvalidArgument(f"host backend: unknown option(s) {sorted(opts)}")
+        if threads is not None:
+            try:
+                threads = int(threads)
+            except (TypeError, ValueError):
+                threads = 0
+            if threads < 1:
+                raise InvalidArgument(f"host backend: copy_threads must be an int >= 1, got {threads!r}")
+        self._copy_threads = threads
+
+    def get_supported_devices(self, hardware: Sequence[HardwareDevice]) -> list[EpDevice]:
+        cpu = next((h for h in hardware if h.type is DeviceType.CPU), None) or host_hardware_device()
+        return [EpDevice(self, cpu, memory_infos={MemoryType.DEFAULT: HOST_MEMORY_INFO})]
+
+    def create_allocator(self, memory_info: MemoryInfo, options: FactoryOptions | None) -> Allocator:
+        if memory_info.device != HOST_MEMORY_INFO.device:
+            raise InvalidArgument(f"host backend has no memory {memory_info.name!r}")
+        return HostAllocator(memory_info)
+
+    def create_data_transfer(self) -> DataTransfer:
+        return HostDataTransfer(self._copy_threads)
+
+    def is_stream_aware(self) -> bool:
+        return True
+
+    def create_sync_stream(
+        self, memory_device: MemoryDevice, options: Mapping[str, Any] | None
+    ) -> StreamImpl:
+        if options:
+            raise InvalidArgument(f"host stream: unknown option(s) {sorted(options)}")
+        return ThreadStream("aioep-host-stream")

@@ -1,0 +1,97 @@
+"""Awaitable notifications: a point in a stream's order (ORT's ``OrtSyncNotification``)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from ._errors import DeviceError, EpError
+from ._stream_impl import NotificationImpl
+from ._wake import wait_for
+
+if TYPE_CHECKING:
+    from ._stream import SyncStream
+
+__all__ = ["Notification"]
+
+
+class Notification:
+    """A point in a stream's order that can be awaited on the host or waited on by another stream.
+
+    Get one from :meth:`SyncStream.record` or :attr:`CopyFuture.notification`.
+    ``await notification`` waits without blocking the event loop; cancelling
+    that await abandons the wait, never the device work, which still runs its
+    course. ``wait(timeout)`` is the blocking form for synchronous code.
+    """
+
+    __slots__ = ("__weakref__", "_impl", "_stream")
+
+    def __init__(self, impl: NotificationImpl, stream: SyncStream | None = None) -> None:
+        self._impl = impl
+        self._stream = stream
+
+    @property
+    def impl(self) -> NotificationImpl:
+        """The backend's notification object."""
+        return self._impl
+
+    @property
+    def stream(self) -> SyncStream | None:
+        """The stream this notification marks a point in (None for un-streamed copies)."""
+        return self._stream
+
+    def activate(self) -> None:
+        """Move the mark to the current tail of the producing stream (like re-recording an event)."""
+        if self._stream is not None:
+            self._stream._check_open()
+            self._stream._dirty = False
+            self._stream._tail = self
+        self._impl.activate()
+
+    def wait_on_device(self, stream: SyncStream) -> None:
+        """Make work enqueued later on ``stream`` wait for this point; returns at once."""
+        stream.wait(self)
+
+    def done(self) -> bool:
+        """True once the stream has passed this point."""
+        return self._impl.query()
+
+    def exception(self) -> EpError | None:
+        """The device failure of the work before this point, once done; else None."""
+        err = self._impl.error() if self._impl.query() else None
+        if err is None:
+            return None
+        return _as_device_error(err, self)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block the calling thread until done.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            DeviceError: the work before this point failed.
+        """
+        if not self._impl.wait_on_host(timeout):
+            raise TimeoutError(f"{self!r} not reached within {timeout} s")
+        self._raise_if_failed()
+
+    async def _wait_async(self) -> None:
+        await wait_for(self._impl.add_done_callback, self._impl.query)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        err = self._impl.error()
+        if err is not None:
+            raise _as_device_error(err, self) from err
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._wait_async().__await__()
+
+    def __repr__(self) -> str:
+        where = f" on {self._stream!r}" if self._stream is not None else ""
+        return f"<Notification {'done' if self.done() else 'pending'}{where}>"
+
+
+def _as_device_error(err: BaseException, where: object) -> EpError:
+    if isinstance(err, EpError):
+        return err
+    return DeviceError(f"device work before {where!r} failed: {type(err).__name__}: {err}")

@@ -1,0 +1,169 @@
+"""Awaitable device streams (ORT's ``OrtSyncStream``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._errors import ClosedError, InvalidArgument, NotImplementedByEp
+from ._notification import Notification
+from ._stream_impl import StreamImpl
+
+if TYPE_CHECKING:
+    from ._device import EpDevice
+
+__all__ = ["SyncStream"]
+
+
+class SyncStream:
+    """An in-order queue of device work (a ``CUstream`` on CUDA, a worker thread on sim).
+
+    Create one with ``env.create_sync_stream(ep_device)`` or
+    ``ep_device.create_sync_stream()``. ``await stream`` waits on the host for
+    all work enqueued so far without blocking the event loop; ``async with``
+    closes it after its pending work.
+    """
+
+    __slots__ = ("__weakref__", "_closed", "_dirty", "_ep_device", "_impl", "_on_close", "_tail")
+
+    def __init__(
+        self,
+        impl: StreamImpl,
+        ep_device: EpDevice,
+        *,
+        on_close: Callable[[SyncStream], None] | None = None,
+    ) -> None:
+        self._impl = impl
+        self._ep_device = ep_device
+        self._on_close = on_close
+        self._closed = False
+        self._dirty = False
+        self._tail: Notification | None = None
+
+    @property
+    def impl(self) -> StreamImpl:
+        """The backend's stream object."""
+        return self._impl
+
+    @property
+    def handle(self) -> int:
+        """The native handle (the ``CUstream`` value on CUDA)."""
+        return self._impl.handle
+
+    @property
+    def ep_device(self) -> EpDevice:
+        """The EP device this stream runs on."""
+        return self._ep_device
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`aclose`."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self!r} is closed")
+
+    def record(self) -> Notification:
+        """Return a notification activated at the current tail of this stream."""
+        self._check_open()
+        notification = Notification(self._impl.create_notification(), self)
+        notification.activate()
+        self._tail = notification
+        return notification
+
+    def wait(self, notification: Notification) -> None:
+        """Make later work on this stream wait, on the device, for ``notification``.
+
+        Returns at once; the host never blocks. A notification that is already
+        done needs no wait.
+        """
+        self._check_open()
+        if not isinstance(notification, Notification):
+            raise InvalidArgument(
+                f"{self!r}.wait() needs an aioep.Notification, got {type(notification).__name__}"
+            )
+        if notification.done():
+            return
+        try:
+            notification.impl.wait_on_device(self._impl)
+        except NotImplementedError as exc:
+            raise NotImplementedByEp(
+                f"{self!r} cannot wait on the device for {notification!r}: {exc}"
+            ) from exc
+        self._dirty = True
+
+    def _enqueued(self) -> None:
+        self._dirty = True
+
+    def done(self) -> bool:
+        """True when all work enqueued so far has completed."""
+        if self._closed:
+            return True
+        if self._dirty or self._tail is None:
+            if self._tail is None and not self._dirty:
+                return True
+            self.record()
+        assert self._tail is not None
+        return self._tail.done()
+
+    async def synchronize(self) -> None:
+        """Wait on the host, without blocking the loop, for all work enqueued so far.
+
+        Raises :class:`DeviceError` if work since the last recorded point failed.
+        """
+        self._check_open()
+        await self.record()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.synchronize().__await__()
+
+    async def aclose(self) -> None:
+        """Wait for pending work, then release the stream; idempotent and shielded."""
+        if self._closed:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.record()
+            except Exception:  # noqa: S110 - a failed copy already surfaced on its future
+                pass
+            self._release()
+
+    def close(self) -> None:
+        """Blocking form of :meth:`aclose`, for synchronous code."""
+        if self._closed:
+            return
+        try:
+            self.record().wait()
+        except Exception:  # noqa: S110
+            pass
+        self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._impl.close()
+        finally:
+            if self._on_close is not None:
+                self._on_close(self)
+
+    async def __aenter__(self) -> SyncStream:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<SyncStream {self._ep_device.ep_name}:{self.handle:#x} {state}>"

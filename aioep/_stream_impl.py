@@ -1,0 +1,239 @@
+"""What a backend implements for streams and notifications (ORT's ``OrtSyncStreamImpl`` and
+``OrtSyncNotificationImpl``), plus :class:`ThreadStream`, a ready implementation whose
+device work runs in order on one worker thread.
+
+The contract is small. A backend stream enqueues work (its data transfer does
+that) and makes notifications; a notification marks a point in its stream's
+order, can make another stream wait for that point on the device, and reports
+completion from any thread through :meth:`NotificationImpl.add_done_callback`.
+The core turns those callbacks into wake-ups on the right event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import itertools
+import threading
+from collections.abc import Callable
+
+from ._errors import NotImplementedByEp
+
+__all__ = ["HostNotification", "NotificationImpl", "StreamImpl", "ThreadStream"]
+
+
+class NotificationImpl(abc.ABC):
+    """A point in a stream's order, signalled when the stream passes it."""
+
+    @abc.abstractmethod
+    def activate(self) -> None:
+        """Mark the current tail of the producing stream (re-activating moves the mark)."""
+
+    @abc.abstractmethod
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        """Make work enqueued later on ``stream`` wait for this point, without blocking the host.
+
+        Raise :class:`NotImplementedByEp` if ``stream`` is of a kind this cannot order.
+        """
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once the stream has passed the marked point."""
+
+    def error(self) -> BaseException | None:
+        """The first failure of the work between the previous mark and this one, if any."""
+        return None
+
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        """Call ``fn()`` once, from any thread, when complete (at once if already complete).
+
+        Return False if this notification cannot call back; the core then polls
+        :meth:`query` with backoff.
+        """
+        return False
+
+    def wait_on_host(self, timeout: float | None) -> bool:
+        """Block the calling thread until complete or ``timeout``; True when complete."""
+        done = threading.Event()
+        if not self.add_done_callback(done.set):
+            return _poll(self.query, timeout)
+        return done.wait(timeout)
+
+
+class StreamImpl(abc.ABC):
+    """An in-order queue of device work owned by a backend."""
+
+    @property
+    def handle(self) -> int:
+        """The native handle (a ``CUstream`` value on CUDA); 0 where there is none."""
+        return 0
+
+    @abc.abstractmethod
+    def create_notification(self) -> NotificationImpl:
+        """A new, not yet activated notification on this stream."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Submit queued work to the device now (for backends that batch)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the stream; the core calls it only after the stream's work is complete."""
+
+
+def _poll(query: Callable[[], bool], timeout: float | None) -> bool:
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 50e-6
+    while not query():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)  # loop-safe: only ever called from a worker or user thread
+        delay = min(delay * 2, 5e-3)
+    return True
+
+
+class HostNotification(NotificationImpl):
+    """A notification completed by host code: :meth:`set` from any thread.
+
+    Used by :class:`ThreadStream` (its worker sets it when it reaches the mark)
+    and by the core for copies that run without a stream.
+    """
+
+    __slots__ = ("_callbacks", "_error", "_event", "_generation", "_lock", "_stream")
+
+    def __init__(self, stream: ThreadStream | None = None) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+        self._error: BaseException | None = None
+        self._generation = 0
+
+    def activate(self) -> None:
+        if self._stream is None:
+            return
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            self._event.clear()
+            self._error = None
+        self._stream._enqueue_signal(self, generation)
+
+    def set(self, error: BaseException | None = None, *, generation: int | None = None) -> None:
+        """Mark complete (with the failure of the work before it, if any) and run callbacks."""
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def query(self) -> bool:
+        return self._event.is_set()
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return True
+        fn()
+        return True
+
+    def wait_on_host(self, timeout: float | None) -> bool:
+        return self._event.wait(timeout)
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        if not isinstance(stream, ThreadStream):
+            raise NotImplementedByEp(
+                f"{type(stream).__name__} cannot wait on a host-signalled notification on the "
+                "device; await the notification first"
+            )
+        stream.enqueue_wait(self)
+
+
+_Op = tuple[str, object, int]
+_stream_ids = itertools.count()
+
+
+class ThreadStream(StreamImpl):
+    """A stream whose work runs strictly in order on one dedicated worker thread.
+
+    ``enqueue(fn)`` queues a callable; if it raises, the error is attached to
+    the next notification the stream reaches and the stream goes on with the
+    work after it. ``enqueue_wait(n)`` parks the worker (the "device") until
+    notification ``n`` of any backend completes: a device-side wait, the host
+    is not blocked.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or f"aioep-stream-{next(_stream_ids)}"
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Op] = collections.deque()
+        self._pending_error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    @property
+    def handle(self) -> int:
+        return self._thread.ident or 0
+
+    def create_notification(self) -> HostNotification:
+        return HostNotification(self)
+
+    def enqueue(self, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` to run after everything queued before it."""
+        self._put(("op", fn, 0))
+
+    def enqueue_wait(self, notification: NotificationImpl) -> None:
+        """Queue a device-side wait: work after this waits until ``notification`` completes."""
+        self._put(("wait", notification, 0))
+
+    def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
+        self._put(("signal", notification, generation))
+
+    def _put(self, op: _Op) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"stream {self.name} is closed")
+            self._queue.append(op)
+            self._cond.notify()
+
+    def on_error(self, exc: BaseException) -> None:
+        """Hook: called on the worker when an op fails (a backend may mark the device lost)."""
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                kind, obj, generation = self._queue.popleft()
+            if kind == "op":
+                try:
+                    obj()  # type: ignore[operator]
+                except BaseException as exc:
+                    self.on_error(exc)
+                    if self._pending_error is None:
+                        self._pending_error = exc
+            elif kind == "wait":
+                # Like cuStreamWaitEvent: order only; a failure upstream is not inherited.
+                obj.wait_on_host(None)  # type: ignore[attr-defined]
+            else:
+                error, self._pending_error = self._pending_error, None
+                obj.set(error, generation=generation)  # type: ignore[attr-defined]
+            del obj
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()

@@ -1,0 +1,302 @@
+"""Buffers (device memory with an owner) and tensors (shape and dtype over a buffer)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InUseError, InvalidArgument
+from ._types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
+
+if TYPE_CHECKING:
+    from ._allocator import Allocator
+
+__all__ = ["HOST_MEMORY_INFO", "Buffer", "Tensor", "as_tensor"]
+
+HOST_MEMORY_INFO = MemoryInfo("Cpu", HOST_MEMORY_DEVICE, alignment=64)
+
+# DLPack device type codes (dlpack.h): what __dlpack_device__ reports.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_EXT_DEV = 1, 2, 3, 12
+NVIDIA_VENDOR_ID = 0x10DE
+
+
+class Buffer:
+    """A block of memory on one device: ``ptr`` (device address), ``nbytes`` and ``memory_info``.
+
+    A buffer from an allocator goes back to it when the last reference is dropped
+    (or on :meth:`free`). While a copy is using it, it is pinned and :meth:`free`
+    raises :class:`InUseError`.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "_owner",
+        "_pin_lock",
+        "_pins",
+        "allocator",
+        "memory_info",
+        "nbytes",
+        "ptr",
+        "readonly",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        ptr: int,
+        nbytes: int,
+        memory_info: MemoryInfo,
+        *,
+        allocator: Allocator | None = None,
+        owner: object = None,
+        release: Callable[[], None] | None = None,
+        readonly: bool = False,
+        stream: Any = None,
+    ) -> None:
+        self.ptr = int(ptr)
+        self.nbytes = int(nbytes)
+        self.memory_info = memory_info
+        self.allocator = allocator
+        self.readonly = readonly
+        self.stream = stream
+        self._owner = owner
+        self._pins = 0
+        self._pin_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, release) if release is not None else None
+
+    @property
+    def device(self) -> MemoryDevice:
+        """The memory device this buffer lives on."""
+        return self.memory_info.device
+
+    @property
+    def freed(self) -> bool:
+        """True once the memory went back to its allocator."""
+        return self._finalizer is not None and not self._finalizer.alive
+
+    def free(self) -> None:
+        """Give the memory back to its allocator now; idempotent.
+
+        Raises:
+            InUseError: a copy or load still uses this buffer.
+        """
+        with self._pin_lock:
+            if self._pins:
+                raise InUseError(
+                    f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
+                    f"used by {self._pins} operation(s) in flight; await them before freeing"
+                )
+            if self._finalizer is not None:
+                self._finalizer()
+        self._owner = None
+
+    def _pin(self) -> None:
+        with self._pin_lock:
+            self._pins += 1
+
+    def _unpin(self) -> None:
+        with self._pin_lock:
+            self._pins -= 1
+
+    def __repr__(self) -> str:
+        state = " freed" if self.freed else ""
+        return f"<Buffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r}{state}>"
+
+
+class _ArrayInterface:
+    """Lets numpy wrap host memory zero-copy while keeping the tensor alive (as the base)."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Tensor, readonly: bool) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tensor.shape,
+            "typestr": tensor.dtype.str,
+            "descr": tensor.dtype.descr,
+            "data": (tensor.data_ptr, readonly),
+            "strides": None,
+        }
+
+
+class Tensor:
+    """An n-dimensional, C-contiguous array of one dtype over a :class:`Buffer`.
+
+    Tensors in host-accessible memory give a zero-copy :meth:`numpy` view and
+    DLPack export; tensors in device memory move only by
+    :func:`aioep.copy_tensors`.
+    """
+
+    __slots__ = ("__weakref__", "buffer", "byte_offset", "dtype", "shape")
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        shape: Sequence[int] | int,
+        dtype: npt.DTypeLike,
+        *,
+        byte_offset: int = 0,
+    ) -> None:
+        self.shape = _normalize_shape(shape)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise InvalidArgument(f"Tensor: {dtype!r} is not a numpy dtype") from exc
+        if self.dtype.hasobject:
+            raise InvalidArgument(f"Tensor: dtype {self.dtype} holds Python objects")
+        self.buffer = buffer
+        self.byte_offset = int(byte_offset)
+        if self.byte_offset < 0 or self.byte_offset + self.nbytes > buffer.nbytes:
+            raise InvalidArgument(
+                f"Tensor of shape {self.shape} and dtype {self.dtype} needs {self.nbytes} bytes "
+                f"at offset {self.byte_offset}, but the buffer holds {buffer.nbytes}"
+            )
+
+    @classmethod
+    def from_numpy(cls, array: npt.NDArray[Any]) -> Tensor:
+        """Wrap a C-contiguous numpy array without copying; the tensor keeps it alive."""
+        if not isinstance(array, np.ndarray):
+            raise InvalidArgument(f"Tensor.from_numpy needs a numpy.ndarray, got {type(array).__name__}")
+        if not array.flags.c_contiguous:
+            raise InvalidArgument(
+                f"Tensor.from_numpy needs a C-contiguous array (shape {array.shape}, strides "
+                f"{array.strides}); use numpy.ascontiguousarray first"
+            )
+        if array.dtype.hasobject:
+            raise InvalidArgument(f"Tensor.from_numpy: dtype {array.dtype} holds Python objects")
+        ptr = array.__array_interface__["data"][0]
+        buffer = Buffer(
+            ptr, array.nbytes, HOST_MEMORY_INFO, owner=array, readonly=not array.flags.writeable
+        )
+        return cls(buffer, array.shape, array.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the data in bytes."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Byte strides (always C-contiguous)."""
+        strides: list[int] = []
+        step = self.dtype.itemsize
+        for d in reversed(self.shape):
+            strides.append(step)
+            step *= max(d, 1)
+        return tuple(reversed(strides))
+
+    @property
+    def memory_info(self) -> MemoryInfo:
+        """Memory info of the underlying buffer."""
+        return self.buffer.memory_info
+
+    @property
+    def device(self) -> MemoryDevice:
+        """The memory device the data lives on."""
+        return self.buffer.memory_info.device
+
+    @property
+    def data_ptr(self) -> int:
+        """Device address of the first element."""
+        return self.buffer.ptr + self.byte_offset
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """True when the CPU can read the data directly."""
+        return self.device.is_host_accessible
+
+    def numpy(self) -> npt.NDArray[Any]:
+        """A zero-copy numpy view of host-accessible data (the view keeps the tensor alive).
+
+        Raises:
+            InvalidArgument: the data lives in device memory; copy it to the host first.
+        """
+        if not self.is_host_accessible:
+            raise InvalidArgument(
+                f"tensor data lives in device memory {self.memory_info.name!r} ({self.device}), "
+                "which the host cannot read; copy it to a host tensor with aioep.copy_tensors"
+            )
+        if self.buffer.freed:
+            raise InvalidArgument(f"tensor buffer {self.buffer!r} was freed")
+        return np.asarray(_ArrayInterface(self, self.buffer.readonly))
+
+    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> npt.NDArray[Any]:
+        arr = self.numpy()
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        dev = self.device
+        if dev.device_type is DeviceType.CPU:
+            return (_DL_CPU, 0)
+        if dev.vendor_id == NVIDIA_VENDOR_ID and dev.device_type is DeviceType.GPU:
+            code = _DL_CUDA if dev.memory_type.value == "default" else _DL_CUDA_HOST
+            return (code, dev.device_id if code == _DL_CUDA else 0)
+        return (_DL_EXT_DEV, dev.device_id)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
+        if self.is_host_accessible:
+            arr = self.numpy()
+            if max_version is None:
+                return arr.__dlpack__(stream=stream)
+            return arr.__dlpack__(stream=stream, max_version=max_version, **kwargs)
+        exporter = _dlpack_exporters.get(self.device.vendor_id)
+        if exporter is None:
+            raise BufferError(
+                f"tensor in {self.memory_info.name!r} ({self.device}) has no DLPack export; "
+                "copy it to host memory first"
+            )
+        return exporter(self, stream)
+
+    def __repr__(self) -> str:
+        return f"<Tensor shape={self.shape} dtype={self.dtype} on {self.memory_info.name!r}>"
+
+
+# Backends that can export device tensors over DLPack register a maker here (vendor id -> fn).
+_dlpack_exporters: dict[int, Callable[[Tensor, Any], Any]] = {}
+
+
+def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    out: list[int] = []
+    for d in dims:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0:
+            raise InvalidArgument(f"shape {tuple(dims)!r}: every dimension must be an int >= 0")
+        out.append(int(d))
+    return tuple(out)
+
+
+def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = False) -> Tensor:
+    """Accept a Tensor or a numpy array (wrapped zero-copy) for an argument named ``role``."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if not value.flags.c_contiguous:
+            if writable:
+                raise InvalidArgument(
+                    f"{role}: destination array of shape {value.shape} is not C-contiguous"
+                )
+            value = np.ascontiguousarray(value)
+        return Tensor.from_numpy(value)
+    raise InvalidArgument(f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}")

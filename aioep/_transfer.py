@@ -1,0 +1,198 @@
+"""Data transfers (ORT's ``OrtDataTransferImpl``) and the validation and routing of a
+``copy_tensors`` batch before anything is enqueued."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy.typing as npt
+
+from ._errors import InvalidArgument, NotImplementedByEp
+from ._stream_impl import StreamImpl
+from ._tensor import Tensor, as_tensor
+from ._types import MemoryDevice
+
+__all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
+
+TensorLike = Tensor | npt.NDArray[Any]
+CopyPair = tuple[Tensor, Tensor]
+
+
+class DataTransfer(abc.ABC):
+    """Copies tensors between memory devices; offered by a factory's ``create_data_transfer``."""
+
+    max_inline_bytes: int = 0
+    """Un-streamed batches up to this size are copied inline on the event loop (cheap memcpys)."""
+
+    @abc.abstractmethod
+    def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
+        """True if this transfer copies from ``src`` memory to ``dst`` memory."""
+
+    def can_use_stream(self, stream: StreamImpl) -> bool:
+        """True if :meth:`copy_tensors` can enqueue on ``stream`` (a backend stream object)."""
+        return False
+
+    @abc.abstractmethod
+    def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
+        """Copy ``nbytes`` of each (source, destination) pair.
+
+        With ``stream=None`` copy synchronously (the core calls this off the
+        event loop, or inline for batches up to ``max_inline_bytes``). With a
+        stream, enqueue the copies in order on it and return at once. The pairs
+        are already validated: equal sizes, no overlaps, ``can_copy`` true.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; called when the library is unregistered."""
+
+
+@dataclass
+class CopyPlan:
+    """A validated batch: the tensors and the (transfer, pairs) groups to run, in order."""
+
+    src: list[Tensor]
+    dst: list[Tensor]
+    groups: list[tuple[DataTransfer, list[CopyPair]]] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def inline(self) -> bool:
+        """True when every group is small enough for its transfer to run inline."""
+        sizes: dict[int, int] = {}
+        for transfer, pairs in self.groups:
+            sizes[id(transfer)] = sizes.get(id(transfer), 0) + sum(s.nbytes for s, _ in pairs)
+        return all(
+            sizes[id(transfer)] <= transfer.max_inline_bytes for transfer, _ in self.groups
+        )
+
+
+def _address_space(device: MemoryDevice) -> object:
+    # Host RAM and pinned memory share the host's address space; device memory is per device.
+    return "host" if device.is_host_accessible else device
+
+
+def _check_overlaps(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    spans: list[tuple[object, int, int, bool, int]] = []
+    for i, t in enumerate(src):
+        if t.nbytes:
+            spans.append((_address_space(t.device), t.data_ptr, t.data_ptr + t.nbytes, False, i))
+    for i, t in enumerate(dst):
+        if t.nbytes:
+            spans.append((_address_space(t.device), t.data_ptr, t.data_ptr + t.nbytes, True, i))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    # Sweep: a destination may overlap nothing; sources may overlap each other.
+    space: object = None
+    last_dst: tuple[int, int] | None = None
+    last_src: tuple[int, int] | None = None
+    for sp, start, end, is_dst, idx in spans:
+        if sp != space:
+            space, last_dst, last_src = sp, None, None
+        if last_dst is not None and start < last_dst[0]:
+            other = "destination"
+            raise InvalidArgument(
+                f"copy_tensors: {'destination' if is_dst else 'source'} {idx} overlaps "
+                f"{other} {last_dst[1]} in memory; destinations must not overlap anything"
+            )
+        if is_dst and last_src is not None and start < last_src[0]:
+            raise InvalidArgument(
+                f"copy_tensors: destination {idx} overlaps source {last_src[1]} in memory"
+            )
+        if is_dst:
+            if last_dst is None or end > last_dst[0]:
+                last_dst = (end, idx)
+        elif last_src is None or end > last_src[0]:
+            last_src = (end, idx)
+
+
+def plan_copies(
+    src: Sequence[TensorLike],
+    dst: Sequence[TensorLike],
+    transfers: Sequence[tuple[str, DataTransfer]],
+    *,
+    stream_impl: StreamImpl | None = None,
+    stream_library: str | None = None,
+    allow_reshape: bool = False,
+) -> CopyPlan:
+    """Validate a batch and route each pair to a transfer; raise before anything is enqueued.
+
+    ``transfers`` is the environment's (library name, transfer) list in
+    registration order; with a stream, transfers of the stream's own library
+    are tried first and a transfer must be able to use the stream.
+    """
+    if isinstance(src, (Tensor, str, bytes)) or not isinstance(src, Sequence):
+        raise InvalidArgument(f"copy_tensors: src must be a list of tensors, got {type(src).__name__}")
+    if isinstance(dst, (Tensor, str, bytes)) or not isinstance(dst, Sequence):
+        raise InvalidArgument(f"copy_tensors: dst must be a list of tensors, got {type(dst).__name__}")
+    if len(src) != len(dst):
+        raise InvalidArgument(
+            f"copy_tensors: {len(src)} source(s) but {len(dst)} destination(s); "
+            "the lists must have the same length"
+        )
+    srcs = [as_tensor(s, role=f"copy_tensors source {i}") for i, s in enumerate(src)]
+    dsts = [as_tensor(d, role=f"copy_tensors destination {i}", writable=True) for i, d in enumerate(dst)]
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        if s.dtype != d.dtype:
+            raise InvalidArgument(
+                f"copy_tensors pair {i}: source dtype {s.dtype} differs from destination dtype {d.dtype}"
+            )
+        if s.nbytes != d.nbytes:
+            raise InvalidArgument(
+                f"copy_tensors pair {i}: Tensor size mismatch: source {s.shape} has {s.nbytes} "
+                f"bytes, destination {d.shape} has {d.nbytes}"
+            )
+        if s.shape != d.shape and not allow_reshape:
+            raise InvalidArgument(
+                f"copy_tensors pair {i}: source shape {s.shape} differs from destination shape "
+                f"{d.shape}; pass allow_reshape=True for a byte copy between shapes"
+            )
+        if d.buffer.readonly:
+            raise InvalidArgument(f"copy_tensors pair {i}: destination {d!r} is read-only")
+        for role, t in (("source", s), ("destination", d)):
+            if t.buffer.freed:
+                raise InvalidArgument(f"copy_tensors pair {i}: {role} buffer {t.buffer!r} was freed")
+    _check_overlaps(srcs, dsts)
+
+    if stream_impl is not None and stream_library is not None:
+        ordered = [t for t in transfers if t[0] == stream_library]
+        ordered += [t for t in transfers if t[0] != stream_library]
+    else:
+        ordered = list(transfers)
+    plan = CopyPlan(srcs, dsts)
+    routes: dict[tuple[MemoryDevice, MemoryDevice], DataTransfer] = {}
+    grouped: dict[int, tuple[DataTransfer, list[CopyPair]]] = {}
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        key = (s.device, d.device)
+        transfer = routes.get(key)
+        if transfer is None:
+            transfer = _route(key, ordered, stream_impl, i)
+            routes[key] = transfer
+        grouped.setdefault(id(transfer), (transfer, []))[1].append((s, d))
+        plan.nbytes += s.nbytes
+    plan.groups = list(grouped.values())
+    return plan
+
+
+def _route(
+    key: tuple[MemoryDevice, MemoryDevice],
+    transfers: Sequence[tuple[str, DataTransfer]],
+    stream_impl: StreamImpl | None,
+    index: int,
+) -> DataTransfer:
+    capable = [t for _, t in transfers if t.can_copy(*key)]
+    if stream_impl is not None:
+        usable = [t for t in capable if t.can_use_stream(stream_impl)]
+        if capable and not usable:
+            raise NotImplementedByEp(
+                f"copy_tensors pair {index}: no data transfer that copies {key[0]} -> {key[1]} "
+                f"can enqueue on a {type(stream_impl).__name__}; use a stream of that device"
+            )
+        capable = usable
+    if not capable:
+        raise NotImplementedByEp(
+            f"copy_tensors pair {index}: no registered data transfer copies from {key[0]} to "
+            f"{key[1]}"
+        )
+    return capable[0]

@@ -1,0 +1,118 @@
+"""Enums and frozen value types that describe devices and memory (ORT's OrtHardwareDevice,
+OrtMemoryDevice and OrtMemoryInfo)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from ._errors import InvalidArgument
+
+__all__ = [
+    "HOST_MEMORY_DEVICE",
+    "AllocatorType",
+    "DeviceType",
+    "HardwareDevice",
+    "MemoryDevice",
+    "MemoryInfo",
+    "MemoryType",
+]
+
+
+class DeviceType(enum.Enum):
+    """The kind of hardware (ORT's ``OrtHardwareDeviceType``)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+    NPU = "npu"
+    FPGA = "fpga"
+
+
+class MemoryType(enum.Enum):
+    """Which memory of a device: its own (DEFAULT) or host memory it can reach (HOST_ACCESSIBLE)."""
+
+    DEFAULT = "default"
+    HOST_ACCESSIBLE = "host_accessible"
+
+
+class AllocatorType(enum.Enum):
+    """A plain device allocator, or a (BFC) arena on top of one."""
+
+    DEVICE = "device"
+    ARENA = "arena"
+
+
+def _frozen_mapping(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    return MappingProxyType(dict(value or {}))
+
+
+@dataclass(frozen=True)
+class HardwareDevice:
+    """A physical (or simulated) device: what ORT calls an ``OrtHardwareDevice``."""
+
+    type: DeviceType
+    vendor_id: int
+    device_id: int
+    vendor: str
+    metadata: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, DeviceType):
+            raise InvalidArgument(f"HardwareDevice.type must be a DeviceType, got {self.type!r}")
+        if self.vendor_id < 0 or self.device_id < 0:
+            raise InvalidArgument(
+                f"HardwareDevice ids must be >= 0, got vendor_id={self.vendor_id}, "
+                f"device_id={self.device_id}"
+            )
+        object.__setattr__(self, "metadata", _frozen_mapping(self.metadata))
+
+
+@dataclass(frozen=True)
+class MemoryDevice:
+    """Where memory lives: the key for data-transfer routing and shared allocators."""
+
+    device_type: DeviceType
+    memory_type: MemoryType
+    vendor_id: int = 0
+    device_id: int = 0
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """True when the CPU can read this memory directly (host RAM or pinned memory)."""
+        return self.device_type is DeviceType.CPU or self.memory_type is MemoryType.HOST_ACCESSIBLE
+
+    def __str__(self) -> str:
+        kind = self.device_type.value
+        mem = "" if self.memory_type is MemoryType.DEFAULT else "/host_accessible"
+        return f"{kind}:{self.vendor_id:#x}:{self.device_id}{mem}"
+
+
+HOST_MEMORY_DEVICE = MemoryDevice(DeviceType.CPU, MemoryType.DEFAULT, 0, 0)
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """A named memory description: device, alignment and allocator type (ORT's ``OrtMemoryInfo``)."""
+
+    name: str
+    device: MemoryDevice
+    alignment: int = 64
+    allocator_type: AllocatorType = AllocatorType.DEVICE
+
+    def __post_init__(self) -> None:
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise InvalidArgument(
+                f"MemoryInfo {self.name!r}: alignment must be a power of two, got {self.alignment}"
+            )
+
+    @property
+    def memory_type(self) -> MemoryType:
+        """Shorthand for ``device.memory_type``."""
+        return self.device.memory_type
+
+    @property
+    def device_type(self) -> DeviceType:
+        """Shorthand for ``device.device_type``."""
+        return self.device.device_type

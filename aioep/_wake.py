@@ -1,0 +1,77 @@
+"""The one event-loop-specific piece: wake a waiting task from any thread.
+
+A backend signals completion from its own thread (a stream worker, a driver
+callback). :func:`wait_for` registers a thread-safe callback that schedules the
+waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on
+asyncio, the run's ``TrioToken`` on trio. No thread is parked per waiter and
+nothing spins; cancelling the wait abandons it and leaves the device work alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
+
+__all__ = ["wait_for"]
+
+Register = Callable[[Callable[[], None]], bool]
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def wait_for(register: Register, query: Callable[[], bool]) -> None:
+    """Wait until the callback handed to ``register`` is called (from any thread).
+
+    ``register(fn)`` must arrange for ``fn()`` to be called once on completion
+    and return True, or return False if it cannot; then ``query()`` is polled
+    with backoff (the fallback). Always checkpoints, even when already complete.
+    """
+    if query():
+        await anyio.lowlevel.checkpoint()
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    if loop is not None:
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(_set_result, fut)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        if register(wake):
+            await fut
+            return
+    elif "trio" in sys.modules:
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        event = trio.Event()
+
+        def wake_trio() -> None:
+            try:
+                token.run_sync_soon(event.set)
+            except trio.RunFinishedError:
+                pass
+
+        if register(wake_trio):
+            await event.wait()
+            return
+    await _poll(query)
+
+
+async def _poll(query: Callable[[], bool]) -> None:
+    delay = 50e-6
+    while not query():
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 5e-3)

@@ -1,0 +1,33 @@
+"""Base classes and helpers for backend (plugin) authors.
+
+A backend is an :class:`EpFactory` subclass registered in the entry-point group
+``aioep.backends``. It offers :class:`aioep.EpDevice` objects, an
+:class:`Allocator` per memory info, optionally a :class:`DataTransfer`, streams
+(:class:`StreamImpl` / :class:`NotificationImpl`; :class:`ThreadStream` is a
+ready one driven by a worker thread) and an :class:`ExternalDataLoader`.
+``backends/sim`` is the reference implementation to copy.
+"""
+
+from ._allocator import Allocator as Allocator
+from ._external_data import ExternalDataLoader as ExternalDataLoader
+from ._factory import EpFactory as EpFactory
+from ._factory import FactoryOptions as FactoryOptions
+from ._stream_impl import HostNotification as HostNotification
+from ._stream_impl import NotificationImpl as NotificationImpl
+from ._stream_impl import StreamImpl as StreamImpl
+from ._stream_impl import ThreadStream as ThreadStream
+from ._transfer import CopyPair as CopyPair
+from ._transfer import DataTransfer as DataTransfer
+
+__all__ = [
+    "Allocator",
+    "CopyPair",
+    "DataTransfer",
+    "EpFactory",
+    "ExternalDataLoader",
+    "FactoryOptions",
+    "HostNotification",
+    "NotificationImpl",
+    "StreamImpl",
+    "ThreadStream",
+]
