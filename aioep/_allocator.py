@@ -43,7 +43,7 @@ class Allocator(abc.ABC):
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
         """Give back memory that :meth:`_allocate` returned; called from any thread."""
 
-    def _close(self) -> None:  # noqa: B027 - optional hook
+    def _close(self) -> None:
         """Release backend resources; called once, after the last buffer is gone."""
 
     # -- public API ------------------------------------------------------------------------

@@ -129,7 +129,9 @@ class Environment:
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if isinstance(backends, str):
-            raise InvalidArgument(f"Environment(backends=...) takes a list of names, got {backends!r}")
+            raise InvalidArgument(
+                f"Environment(backends=...) takes a list of names, got {backends!r}"
+            )
         self._autoload = autoload
         self._backends = None if backends is None else list(backends)
         self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
@@ -167,9 +169,7 @@ class Environment:
         self._state = _State.OPEN
         try:
             self.register_library(HOST_EP_NAME, HostFactory(self._backend_options.get("host")))
-            if self._autoload:
-                self._load_backends()
-            elif self._backends:
+            if self._autoload or self._backends:
                 self._load_backends()
         except BaseException:
             self._teardown()
@@ -228,12 +228,12 @@ class Environment:
             for fut in list(self._inflight):
                 try:
                     await fut
-                except Exception:  # noqa: S110 - the copy's owner saw (or dropped) the error
+                except Exception:
                     pass
             for stream in self._open_streams():
                 try:
                     await stream.synchronize()
-                except Exception:  # noqa: S110
+                except Exception:
                     pass
             self._teardown()
 
@@ -246,7 +246,7 @@ class Environment:
         for fut in list(self._inflight):
             try:
                 fut.wait()
-            except Exception:  # noqa: S110
+            except Exception:
                 pass
         self._teardown()
 
@@ -345,7 +345,9 @@ class Environment:
                 if lib.factory.name == HOST_EP_NAME and self._host_allocator is None:
                     self._host_allocator = self._make_allocator(lib, info, None)
                 elif info.device not in self._shared:
-                    self._shared[info.device] = _Shared(self._make_allocator(lib, info, None), lib.name)
+                    self._shared[info.device] = _Shared(
+                        self._make_allocator(lib, info, None), lib.name
+                    )
         try:
             transfer = factory.create_data_transfer()
         except Exception as exc:
@@ -404,7 +406,9 @@ class Environment:
         live = sum(a.live_buffers for a in lib.allocators)
         if live:
             reasons.append(f"{live} live buffer(s)")
-        copies = sum(1 for f, libs in list(self._inflight.items()) if lib.name in libs and not f.done())
+        copies = sum(
+            1 for f, libs in list(self._inflight.items()) if lib.name in libs and not f.done()
+        )
         if copies:
             reasons.append(f"{copies} copy batch(es) in flight")
         return reasons
@@ -511,13 +515,17 @@ class Environment:
         self._check_open()
         with self._lock:
             lib = self._library_of(ep_device)
-            info = ep_device.memory_info(memory_type) if isinstance(memory_type, MemoryType) else None
+            info = (
+                ep_device.memory_info(memory_type) if isinstance(memory_type, MemoryType) else None
+            )
             if info is None:
                 raise InvalidArgument(
                     f"Invalid memory type for OrtEpDevice: {ep_device!r} has no {memory_type!r} memory"
                 )
             if not isinstance(allocator_type, AllocatorType):
-                raise InvalidArgument(f"allocator_type must be an AllocatorType, got {allocator_type!r}")
+                raise InvalidArgument(
+                    f"allocator_type must be an AllocatorType, got {allocator_type!r}"
+                )
             opts = dict(options or {})
             arena_opts = {k: v for k, v in opts.items() if k.startswith("arena.")}
             factory_opts = {k: v for k, v in opts.items() if not k.startswith("arena.")}
@@ -604,7 +612,9 @@ class Environment:
             allocator = self._host_allocator
         else:
             if not isinstance(memory_info, MemoryInfo):
-                raise InvalidArgument(f"empty: memory_info must be a MemoryInfo, got {memory_info!r}")
+                raise InvalidArgument(
+                    f"empty: memory_info must be a MemoryInfo, got {memory_info!r}"
+                )
             allocator = self.get_shared_allocator(memory_info)
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
@@ -644,7 +654,9 @@ class Environment:
             except Exception as exc:
                 raise translate_backend_error(exc, f"{factory.name!r} create_sync_stream") from exc
             if impl is None:
-                raise EpError(f"Failed to get a stream implementation from the EP factory {factory.name!r}.")
+                raise EpError(
+                    f"Failed to get a stream implementation from the EP factory {factory.name!r}."
+                )
             stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
             lib.streams.add(stream)
             return stream
@@ -738,6 +750,34 @@ class Environment:
                 return loader
         return None
 
+    async def load_initializers(
+        self,
+        model: str | os.PathLike[str],
+        ep_device: EpDevice,
+        names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> dict[str, Tensor]:
+        """Load a model's initializers onto ``ep_device`` (external data straight to the device).
+
+        See :func:`aioep._external_data.load_initializers` for ``options``.
+        """
+        self._check_open()
+        from ._external_data import load_initializers
+
+        return await load_initializers(self, model, ep_device, names, **options)
+
+    async def create_session(
+        self,
+        model: Any,
+        ep_devices: Sequence[EpDevice] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Partition ``model`` across the EPs of ``ep_devices`` and return an awaitable session."""
+        self._check_open()
+        from ._session import create_session
+
+        return await create_session(self, model, ep_devices, options)
+
     def __repr__(self) -> str:
         return f"<Environment {self._state.value} libraries={list(self._libraries)}>"
 
@@ -758,7 +798,9 @@ def _quietly(fn: Any, what: str) -> None:
     try:
         fn()
     except Exception as exc:
-        warnings.warn(f"closing {what} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"closing {what} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3
+        )
 
 
 def _backend_entry_points() -> Iterator[importlib.metadata.EntryPoint]:
@@ -783,7 +825,8 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
                 f"{type(exc).__name__}: {exc}"
             ) from exc
     if isinstance(target, os.PathLike) or (
-        isinstance(target, str) and (os.sep in target or Path(target).suffix in (".so", ".dll", ".dylib"))
+        isinstance(target, str)
+        and (os.sep in target or Path(target).suffix in (".so", ".dll", ".dylib"))
     ):
         return _factory_for_path(name, Path(os.fspath(target)), options)
     if isinstance(target, str) and ":" in target:

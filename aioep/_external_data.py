@@ -35,5 +35,5 @@ class ExternalDataLoader(abc.ABC):
     ) -> None:
         """Read the bytes and place them in ``tensor`` (already validated by the caller)."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release resources; called when the library is unregistered."""

@@ -44,7 +44,9 @@ class EpFactory(abc.ABC):
         """EP devices for the hardware this factory supports (it may add its own hardware)."""
 
     @abc.abstractmethod
-    def create_allocator(self, memory_info: MemoryInfo, options: FactoryOptions | None) -> Allocator:
+    def create_allocator(
+        self, memory_info: MemoryInfo, options: FactoryOptions | None
+    ) -> Allocator:
         """A device allocator for one of this factory's memory infos."""
 
     def create_data_transfer(self) -> DataTransfer | None:
@@ -69,7 +71,7 @@ class EpFactory(abc.ABC):
         """An execution provider (``aioep.Ep``) for these devices."""
         raise NotImplementedByEp(f"The execution provider {self.name!r} cannot create an EP.")
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release everything; called last when the library is unregistered."""
 
     def __repr__(self) -> str:

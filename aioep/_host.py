@@ -166,14 +166,20 @@ class HostFactory(EpFactory):
             except (TypeError, ValueError):
                 threads = 0
             if threads < 1:
-                raise InvalidArgument(f"host backend: copy_threads must be an int >= 1, got {threads!r}")
+                raise InvalidArgument(
+                    f"host backend: copy_threads must be an int >= 1, got {threads!r}"
+                )
         self._copy_threads = threads
 
     def get_supported_devices(self, hardware: Sequence[HardwareDevice]) -> list[EpDevice]:
-        cpu = next((h for h in hardware if h.type is DeviceType.CPU), None) or host_hardware_device()
+        cpu = (
+            next((h for h in hardware if h.type is DeviceType.CPU), None) or host_hardware_device()
+        )
         return [EpDevice(self, cpu, memory_infos={MemoryType.DEFAULT: HOST_MEMORY_INFO})]
 
-    def create_allocator(self, memory_info: MemoryInfo, options: FactoryOptions | None) -> Allocator:
+    def create_allocator(
+        self, memory_info: MemoryInfo, options: FactoryOptions | None
+    ) -> Allocator:
         if memory_info.device != HOST_MEMORY_INFO.device:
             raise InvalidArgument(f"host backend has no memory {memory_info.name!r}")
         return HostAllocator(memory_info)

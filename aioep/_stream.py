@@ -128,7 +128,7 @@ class SyncStream:
         with anyio.CancelScope(shield=True):
             try:
                 await self.record()
-            except Exception:  # noqa: S110 - a failed copy already surfaced on its future
+            except Exception:
                 pass
             self._release()
 
@@ -138,7 +138,7 @@ class SyncStream:
             return
         try:
             self.record().wait()
-        except Exception:  # noqa: S110
+        except Exception:
             pass
         self._release()
 

@@ -72,7 +72,7 @@ class StreamImpl(abc.ABC):
     def create_notification(self) -> NotificationImpl:
         """A new, not yet activated notification on this stream."""
 
-    def flush(self) -> None:  # noqa: B027 - optional hook
+    def flush(self) -> None:
         """Submit queued work to the device now (for backends that batch)."""
 
     @abc.abstractmethod

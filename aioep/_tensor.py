@@ -163,7 +163,9 @@ class Tensor:
     def from_numpy(cls, array: npt.NDArray[Any]) -> Tensor:
         """Wrap a C-contiguous numpy array without copying; the tensor keeps it alive."""
         if not isinstance(array, np.ndarray):
-            raise InvalidArgument(f"Tensor.from_numpy needs a numpy.ndarray, got {type(array).__name__}")
+            raise InvalidArgument(
+                f"Tensor.from_numpy needs a numpy.ndarray, got {type(array).__name__}"
+            )
         if not array.flags.c_contiguous:
             raise InvalidArgument(
                 f"Tensor.from_numpy needs a C-contiguous array (shape {array.shape}, strides "
@@ -299,4 +301,6 @@ def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = F
                 )
             value = np.ascontiguousarray(value)
         return Tensor.from_numpy(value)
-    raise InvalidArgument(f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}")
+    raise InvalidArgument(
+        f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}"
+    )

@@ -45,7 +45,7 @@ class DataTransfer(abc.ABC):
         are already validated: equal sizes, no overlaps, ``can_copy`` true.
         """
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release resources; called when the library is unregistered."""
 
 
@@ -64,9 +64,7 @@ class CopyPlan:
         sizes: dict[int, int] = {}
         for transfer, pairs in self.groups:
             sizes[id(transfer)] = sizes.get(id(transfer), 0) + sum(s.nbytes for s, _ in pairs)
-        return all(
-            sizes[id(transfer)] <= transfer.max_inline_bytes for transfer, _ in self.groups
-        )
+        return all(sizes[id(transfer)] <= transfer.max_inline_bytes for transfer, _ in self.groups)
 
 
 def _address_space(device: MemoryDevice) -> object:
@@ -123,16 +121,22 @@ def plan_copies(
     are tried first and a transfer must be able to use the stream.
     """
     if isinstance(src, (Tensor, str, bytes)) or not isinstance(src, Sequence):
-        raise InvalidArgument(f"copy_tensors: src must be a list of tensors, got {type(src).__name__}")
+        raise InvalidArgument(
+            f"copy_tensors: src must be a list of tensors, got {type(src).__name__}"
+        )
     if isinstance(dst, (Tensor, str, bytes)) or not isinstance(dst, Sequence):
-        raise InvalidArgument(f"copy_tensors: dst must be a list of tensors, got {type(dst).__name__}")
+        raise InvalidArgument(
+            f"copy_tensors: dst must be a list of tensors, got {type(dst).__name__}"
+        )
     if len(src) != len(dst):
         raise InvalidArgument(
             f"copy_tensors: {len(src)} source(s) but {len(dst)} destination(s); "
             "the lists must have the same length"
         )
     srcs = [as_tensor(s, role=f"copy_tensors source {i}") for i, s in enumerate(src)]
-    dsts = [as_tensor(d, role=f"copy_tensors destination {i}", writable=True) for i, d in enumerate(dst)]
+    dsts = [
+        as_tensor(d, role=f"copy_tensors destination {i}", writable=True) for i, d in enumerate(dst)
+    ]
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.dtype != d.dtype:
             raise InvalidArgument(
@@ -152,7 +156,9 @@ def plan_copies(
             raise InvalidArgument(f"copy_tensors pair {i}: destination {d!r} is read-only")
         for role, t in (("source", s), ("destination", d)):
             if t.buffer.freed:
-                raise InvalidArgument(f"copy_tensors pair {i}: {role} buffer {t.buffer!r} was freed")
+                raise InvalidArgument(
+                    f"copy_tensors pair {i}: {role} buffer {t.buffer!r} was freed"
+                )
     _check_overlaps(srcs, dsts)
 
     if stream_impl is not None and stream_library is not None:
