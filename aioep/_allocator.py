@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._errors import ClosedError, InvalidArgument
@@ -33,6 +34,7 @@ class Allocator(abc.ABC):
         self._num_allocs = 0
         self._closed = False
         self._retired = False
+        self._close_callbacks: list[Callable[[], None]] = []
 
     # -- what a backend implements ---------------------------------------------------------
     @abc.abstractmethod
@@ -125,10 +127,28 @@ class Allocator(abc.ABC):
 
         Live buffers stay valid: they are still returned through :meth:`_free`.
         """
-        if self._closed:
-            return
-        self._closed = True
-        self._close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            callbacks, self._close_callbacks = self._close_callbacks, []
+        try:
+            self._close()
+        finally:
+            for fn in callbacks:
+                fn()
+
+    def add_close_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once this allocator has closed (at once if it already has).
+
+        The environment uses it to close a factory only after the allocators that
+        depend on it (a retired allocator closes when its last buffer is freed).
+        """
+        with self._lock:
+            if not self._closed:
+                self._close_callbacks.append(fn)
+                return
+        fn()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.memory_info.name!r} live={self._live_buffers}>"

@@ -71,6 +71,7 @@ class _Library:
     transfer: DataTransfer | None = None
     loader: ExternalDataLoader | None = None
     streams: set[SyncStream] = field(default_factory=set)
+    retired: list[Allocator] = field(default_factory=list)  # retired, still serving live buffers
 
 
 @dataclass(eq=False)
@@ -311,10 +312,15 @@ class Environment:
                 raise InvalidArgument(f"library is already registered under {name!r}")
             factory = _resolve_factory(name, target, options)
             lib = _Library(name, factory)
+            hardware_before = list(self._hardware)
+            had_load_error = name in self.load_errors
             try:
                 self._add_library(lib)
             except BaseException as exc:
                 self._remove_library(lib)
+                self._hardware[:] = hardware_before
+                if not had_load_error:
+                    self.load_errors.pop(name, None)
                 if isinstance(exc, EpError):
                     raise
                 raise EpError(
@@ -402,10 +408,11 @@ class Environment:
         reasons = []
         streams = [s for s in lib.streams if not s.closed]
         if streams:
-            reasons.append(f"{len(streams)} open stream(s)")
-        live = sum(a.live_buffers for a in lib.allocators)
+            reasons.append(f"{len(streams)} open stream(s) ({', '.join(map(repr, streams))})")
+        live = [(a, a.live_buffers) for a in lib.allocators if a.live_buffers]
         if live:
-            reasons.append(f"{live} live buffer(s)")
+            where = ", ".join(f"{n} from {a.memory_info.name!r}" for a, n in live)
+            reasons.append(f"{sum(n for _, n in live)} live buffer(s) ({where})")
         copies = sum(
             1 for f, libs in list(self._inflight.items()) if lib.name in libs and not f.done()
         )
@@ -445,10 +452,28 @@ class Environment:
                     stacklevel=3,
                 )
             _quietly(allocator.retire, f"allocator {allocator.memory_info.name!r}")
+        lib.retired = [a for a in lib.allocators if not a.closed]
         lib.allocators.clear()
 
     def _close_factory(self, lib: _Library) -> None:
-        _quietly(lib.factory.close, f"factory of {lib.name!r}")
+        # A retired allocator closes when its last buffer is freed; its factory must outlive it.
+        pending = [a for a in lib.retired if not a.closed]
+        lib.retired = []
+        if not pending:
+            _quietly(lib.factory.close, f"factory of {lib.name!r}")
+            return
+        remaining = [len(pending)]
+        count_lock = threading.Lock()
+
+        def one_closed() -> None:
+            with count_lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                _quietly(lib.factory.close, f"factory of {lib.name!r}")
+
+        for allocator in pending:
+            allocator.add_close_callback(one_closed)
 
     # -- devices ---------------------------------------------------------------------------
     @property
@@ -816,7 +841,8 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
         return target
     if isinstance(target, type) and issubclass(target, EpFactory):
         try:
-            return target(options) if options is not None else target()
+            factory_cls: Any = target
+            return factory_cls(options) if options is not None else factory_cls()
         except EpError:
             raise
         except Exception as exc:
@@ -834,8 +860,16 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
+            missing = exc.name or module_name
+            detail = "" if missing == module_name else f" (it needs {missing!r}, which is missing)"
             raise NoSuchFile(
-                f"register_library({name!r}): no module named {module_name!r} ({target!r})"
+                f"register_library({name!r}): cannot import module {module_name!r} "
+                f"of target {target!r}{detail}: {exc}"
+            ) from exc
+        except Exception as exc:
+            raise EpError(
+                f"Failed to register EP library under {name!r} with error: importing "
+                f"{module_name!r} raised {type(exc).__name__}: {exc}"
             ) from exc
         obj: Any = module
         for part in attr.split("."):

@@ -18,7 +18,7 @@ from ._device import EpDevice
 from ._errors import DeviceError, InvalidArgument
 from ._factory import EpFactory, FactoryOptions
 from ._stream_impl import StreamImpl, ThreadStream
-from ._tensor import HOST_MEMORY_INFO
+from ._tensor import HOST_MEMORY_INFO, Buffer
 from ._transfer import CopyPair, DataTransfer
 from ._types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 
@@ -63,7 +63,7 @@ class HostAllocator(Allocator):
             raise DeviceError(
                 f"host allocator {self.memory_info.name!r}: out of memory allocating {nbytes} bytes"
             ) from exc
-        base = raw.__array_interface__["data"][0]
+        base = int(raw.__array_interface__["data"][0])
         ptr = (base + align - 1) & ~(align - 1)
         with self._blocks_lock:
             self._blocks[ptr] = raw
@@ -72,6 +72,14 @@ class HostAllocator(Allocator):
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
         with self._blocks_lock:
             self._blocks.pop(ptr, None)
+
+    def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
+        buffer = super().alloc(nbytes, stream=stream)
+        # The buffer (and any numpy view of it) owns the block too: an explicit free()
+        # returns it to the allocator's books, but memory a view can still read stays mapped.
+        with self._blocks_lock:
+            buffer._owner = self._blocks.get(buffer.ptr)
+        return buffer
 
 
 _memmove = ctypes.memmove  # a C call that releases the GIL while it copies

@@ -39,6 +39,7 @@ class Buffer:
         "_owner",
         "_pin_lock",
         "_pins",
+        "_released",
         "allocator",
         "memory_info",
         "nbytes",
@@ -67,6 +68,7 @@ class Buffer:
         self.stream = stream
         self._owner = owner
         self._pins = 0
+        self._released = False
         self._pin_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, release) if release is not None else None
 
@@ -77,8 +79,8 @@ class Buffer:
 
     @property
     def freed(self) -> bool:
-        """True once the memory went back to its allocator."""
-        return self._finalizer is not None and not self._finalizer.alive
+        """True once the memory went back to its allocator (or :meth:`free` was called)."""
+        return self._released or (self._finalizer is not None and not self._finalizer.alive)
 
     def free(self) -> None:
         """Give the memory back to its allocator now; idempotent.
@@ -92,6 +94,7 @@ class Buffer:
                     f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
                     f"used by {self._pins} operation(s) in flight; await them before freeing"
                 )
+            self._released = True
             if self._finalizer is not None:
                 self._finalizer()
         self._owner = None
@@ -110,12 +113,17 @@ class Buffer:
 
 
 class _ArrayInterface:
-    """Lets numpy wrap host memory zero-copy while keeping the tensor alive (as the base)."""
+    """Lets numpy wrap host memory zero-copy while keeping the tensor alive (as the base).
 
-    __slots__ = ("__array_interface__", "tensor")
+    It also holds the object that owns the memory (where the buffer has one), so an
+    explicit ``buffer.free()`` never leaves an existing view pointing at freed memory.
+    """
+
+    __slots__ = ("__array_interface__", "owner", "tensor")
 
     def __init__(self, tensor: Tensor, readonly: bool) -> None:
         self.tensor = tensor
+        self.owner = tensor.buffer._owner
         self.__array_interface__ = {
             "version": 3,
             "shape": tensor.shape,
@@ -242,9 +250,16 @@ class Tensor:
             raise InvalidArgument(f"tensor buffer {self.buffer!r} was freed")
         return np.asarray(_ArrayInterface(self, self.buffer.readonly))
 
-    def __array__(self, dtype: npt.DTypeLike = None, copy: bool | None = None) -> npt.NDArray[Any]:
+    def __array__(
+        self, dtype: npt.DTypeLike | None = None, copy: bool | None = None
+    ) -> npt.NDArray[Any]:
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError(
+                    f"Tensor.__array__: converting {arr.dtype} to {np.dtype(dtype)} needs a copy, "
+                    "but copy=False was given"
+                )
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 
