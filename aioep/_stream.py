@@ -100,12 +100,19 @@ class SyncStream:
         self._dirty = True
 
     def done(self) -> bool:
-        """True when all work enqueued so far has completed."""
-        if self._closed:
+        """True when all work enqueued so far has completed (never blocks).
+
+        Raises:
+            ClosedError: the stream was closed.
+        """
+        self._check_open()
+        idle = self._impl.query()
+        if idle is not None:
+            return idle
+        # The backend cannot query its stream: mark the tail and query the mark.
+        if self._tail is None and not self._dirty:
             return True
         if self._dirty or self._tail is None:
-            if self._tail is None and not self._dirty:
-                return True
             self.record()
         assert self._tail is not None
         return self._tail.done()

@@ -72,6 +72,14 @@ class StreamImpl(abc.ABC):
     def create_notification(self) -> NotificationImpl:
         """A new, not yet activated notification on this stream."""
 
+    def query(self) -> bool | None:
+        """True when all work enqueued so far has completed (``cuStreamQuery``).
+
+        Return None if the backend cannot tell; the core then records a
+        notification and queries that.
+        """
+        return None
+
     def flush(self) -> None:
         """Submit queued work to the device now (for backends that batch)."""
 
@@ -120,16 +128,21 @@ class HostNotification(NotificationImpl):
             self._error = None
         self._stream._enqueue_signal(self, generation)
 
-    def set(self, error: BaseException | None = None, *, generation: int | None = None) -> None:
-        """Mark complete (with the failure of the work before it, if any) and run callbacks."""
+    def set(self, error: BaseException | None = None, *, generation: int | None = None) -> bool:
+        """Mark complete (with the failure of the work before it, if any) and run callbacks.
+
+        Returns False, doing nothing, when ``generation`` names a mark that a later
+        :meth:`activate` superseded.
+        """
         with self._lock:
             if generation is not None and generation != self._generation:
-                return
+                return False
             self._error = error
             self._event.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
+        return True
 
     def query(self) -> bool:
         return self._event.is_set()
@@ -169,6 +182,11 @@ class ThreadStream(StreamImpl):
     work after it. ``enqueue_wait(n)`` parks the worker (the "device") until
     notification ``n`` of any backend completes: a device-side wait, the host
     is not blocked.
+
+    When the stream is idle (nothing queued, nothing running), a notification
+    recorded on it completes at once, and ``enqueue(fn, inline=True)`` runs
+    ``fn`` on the calling thread, as a driver does with a small pageable copy.
+    Only pass ``inline=True`` for work that never blocks (a small memcpy).
     """
 
     def __init__(self, name: str | None = None) -> None:
@@ -176,6 +194,7 @@ class ThreadStream(StreamImpl):
         self._cond = threading.Condition()
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
+        self._busy = False  # an op is running (on the worker or inline on a caller)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -187,8 +206,30 @@ class ThreadStream(StreamImpl):
     def create_notification(self) -> HostNotification:
         return HostNotification(self)
 
-    def enqueue(self, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` to run after everything queued before it."""
+    def query(self) -> bool | None:
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def enqueue(self, fn: Callable[[], None], *, inline: bool = False) -> None:
+        """Queue ``fn`` to run after everything queued before it.
+
+        With ``inline=True`` and an idle stream, run it now on this thread instead.
+        """
+        if inline:
+            with self._cond:
+                self._check_not_closed()
+                idle = not self._queue and not self._busy
+                if idle:
+                    self._busy = True
+            if idle:
+                try:
+                    self._run_op(fn)
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        if self._queue:
+                            self._cond.notify()
+                return
         self._put(("op", fn, 0))
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
@@ -196,40 +237,69 @@ class ThreadStream(StreamImpl):
         self._put(("wait", notification, 0))
 
     def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
-        self._put(("signal", notification, generation))
+        with self._cond:
+            self._check_not_closed()
+            idle = not self._queue and not self._busy
+            if not idle:
+                self._queue.append(("signal", notification, generation))
+                self._cond.notify()
+                return
+            error, self._pending_error = self._pending_error, None
+        # The stream already passed this point: complete it here (callbacks run on this thread).
+        if not notification.set(error, generation=generation) and error is not None:
+            self._keep_error(error)
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
         with self._cond:
-            if self._closed:
-                raise RuntimeError(f"stream {self.name} is closed")
+            self._check_not_closed()
             self._queue.append(op)
             self._cond.notify()
 
+    def _keep_error(self, error: BaseException) -> None:
+        # A superseded mark (re-activated notification) must not swallow a failure.
+        with self._cond:
+            if self._pending_error is None:
+                self._pending_error = error
+
     def on_error(self, exc: BaseException) -> None:
-        """Hook: called on the worker when an op fails (a backend may mark the device lost)."""
+        """Hook: called on the thread that ran a failed op (a backend may mark the device lost)."""
+
+    def _run_op(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            self.on_error(exc)
+            self._keep_error(exc)
 
     def _run(self) -> None:
+        error: BaseException | None = None
         while True:
             with self._cond:
-                while not self._queue:
-                    if self._closed:
+                while not self._queue or self._busy:
+                    if self._closed and not self._queue:
                         return
                     self._cond.wait()
                 kind, obj, generation = self._queue.popleft()
-            if kind == "op":
-                try:
-                    obj()  # type: ignore[operator]
-                except BaseException as exc:
-                    self.on_error(exc)
-                    if self._pending_error is None:
-                        self._pending_error = exc
-            elif kind == "wait":
-                # Like cuStreamWaitEvent: order only; a failure upstream is not inherited.
-                obj.wait_on_host(None)  # type: ignore[attr-defined]
-            else:
-                error, self._pending_error = self._pending_error, None
-                obj.set(error, generation=generation)  # type: ignore[attr-defined]
-            del obj
+                self._busy = True
+                if kind == "signal":
+                    error, self._pending_error = self._pending_error, None
+            try:
+                if kind == "op":
+                    self._run_op(obj)  # type: ignore[arg-type]
+                elif kind == "wait":
+                    # Like cuStreamWaitEvent: order only; a failure upstream is not inherited.
+                    obj.wait_on_host(None)  # type: ignore[attr-defined]
+                elif not obj.set(error, generation=generation) and error is not None:  # type: ignore[attr-defined]
+                    self._keep_error(error)
+            finally:
+                del obj
+                error = None
+                with self._cond:
+                    self._busy = False
 
     def close(self) -> None:
         with self._cond:

@@ -1,0 +1,14 @@
+"""aioep-sim: a simulated accelerator, the reference aioep backend.
+
+Entry point ``sim`` in group ``aioep.backends`` names :class:`SimFactory`.
+Copy this package to start a new backend; the README says how.
+"""
+
+from ._device import SIM_VENDOR_ID as SIM_VENDOR_ID
+from ._device import EngineUse as EngineUse
+from ._device import SimDevice as SimDevice
+from ._factory import SimFactory as SimFactory
+from ._options import SimOptions as SimOptions
+from ._stream import SimStream as SimStream
+
+__all__ = ["SIM_VENDOR_ID", "EngineUse", "SimDevice", "SimFactory", "SimOptions", "SimStream"]

@@ -1,0 +1,170 @@
+"""Sim device memory: a private address space per device, and the two allocators.
+
+Device (DEFAULT) memory is not host memory as far as the rest of the program
+knows: an allocation gets an address in the device's own address space, far
+from any host pointer, and the bytes live in a numpy array that only the sim
+holds, found again by address. Data moves in and out only through the sim's
+data transfer, so ``Tensor.numpy()`` on it fails like it would on a GPU.
+Addresses are never reused, so a copy that touches freed memory is caught as
+an illegal address instead of silently reading someone else's data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from aioep import DeviceError
+from aioep.abc import Allocator
+
+if TYPE_CHECKING:
+    from aioep import MemoryInfo, SyncStream
+
+    from ._device import SimDevice
+
+__all__ = ["DEVICE_ALIGNMENT", "DeviceMemory", "PinnedAllocator", "SimAllocator"]
+
+DEVICE_ALIGNMENT = 256  # what cudaMalloc guarantees
+_ADDRESS_SPACE_BITS = 44  # 16 TiB of address space per device
+
+
+class DeviceMemory:
+    """One device's address space: allocations by address, with a byte limit."""
+
+    def __init__(self, device_id: int, limit: int) -> None:
+        self.device_id = device_id
+        self.limit = limit
+        self.base = (device_id + 1) << _ADDRESS_SPACE_BITS
+        self._next = self.base
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # sorted: addresses only grow
+        self._blocks: dict[int, npt.NDArray[np.uint8]] = {}
+        self.in_use = 0
+        self.peak = 0
+
+    def allocate(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` and return its device address.
+
+        Raises:
+            DeviceError: out of memory (the message names requested, limit and in-use bytes).
+        """
+        with self._lock:
+            if self.in_use + nbytes > self.limit:
+                raise DeviceError(
+                    f"sim device {self.device_id}: out of memory allocating {nbytes} bytes "
+                    f"(limit {self.limit} bytes, {self.in_use} in use, "
+                    f"{self.limit - self.in_use} free)"
+                )
+            ptr = self._next
+            end = ptr + nbytes
+            if end >= self.base + (1 << _ADDRESS_SPACE_BITS):
+                raise DeviceError(f"sim device {self.device_id}: address space exhausted")
+            self._next = (end + DEVICE_ALIGNMENT - 1) & ~(DEVICE_ALIGNMENT - 1)
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+        # Outside the lock: numpy may take a while for big blocks. Uninitialised, as on a GPU.
+        try:
+            block = np.empty(nbytes, dtype=np.uint8)
+        except MemoryError as exc:
+            with self._lock:
+                self.in_use -= nbytes
+            raise DeviceError(
+                f"sim device {self.device_id}: out of memory allocating {nbytes} bytes "
+                "(the host could not back the allocation)"
+            ) from exc
+        with self._lock:
+            self._starts.append(ptr)  # addresses grow, so the list stays sorted
+            self._blocks[ptr] = block
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        """Release the allocation that starts at ``ptr``."""
+        with self._lock:
+            block = self._blocks.pop(ptr, None)
+            if block is None:
+                raise DeviceError(f"sim device {self.device_id}: free of unknown address {ptr:#x}")
+            i = bisect.bisect_left(self._starts, ptr)
+            del self._starts[i]
+            self.in_use -= block.nbytes
+
+    def view(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A uint8 numpy view of ``nbytes`` of device memory at ``ptr`` (for backend code only).
+
+        The view keeps the backing block alive, so a copy that holds it is safe even
+        if the buffer is freed meanwhile.
+
+        Raises:
+            DeviceError: the range is not inside one live allocation (an illegal address).
+        """
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i >= 0:
+                start = self._starts[i]
+                block = self._blocks[start]
+                offset = ptr - start
+                if offset + nbytes <= block.nbytes:
+                    return block[offset : offset + nbytes]
+        raise DeviceError(
+            f"sim device {self.device_id}: illegal address: {nbytes} bytes at {ptr:#x} are not "
+            "inside one live allocation (freed, or out of bounds)"
+        )
+
+    @property
+    def live_allocations(self) -> int:
+        """Number of allocations not yet freed."""
+        return len(self._blocks)
+
+
+class SimAllocator(Allocator):
+    """Allocates a sim device's DEFAULT memory (not host-accessible)."""
+
+    def __init__(self, memory_info: MemoryInfo, device: SimDevice) -> None:
+        super().__init__(memory_info)
+        self.device = device
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        self.device.check_alive("allocate device memory")
+        return self.device.memory.allocate(nbytes)
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        # Freeing works even on a lost device, so buffers can always be dropped.
+        self.device.memory.free(ptr)
+
+    def stats(self) -> dict[str, int]:
+        """The base counters plus the device's limit (``Limit``) and its total ``DeviceInUse``."""
+        out = super().stats()
+        out["Limit"] = self.device.memory.limit
+        out["DeviceInUse"] = self.device.memory.in_use
+        return out
+
+
+class PinnedAllocator(Allocator):
+    """Host memory the sim device can reach directly (HOST_ACCESSIBLE, like cudaHostAlloc)."""
+
+    def __init__(self, memory_info: MemoryInfo) -> None:
+        super().__init__(memory_info)
+        self._blocks: dict[int, npt.NDArray[Any]] = {}
+        self._blocks_lock = threading.Lock()
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        align = self.memory_info.alignment
+        try:
+            raw = np.empty(nbytes + align - 1, dtype=np.uint8)
+        except MemoryError as exc:
+            raise DeviceError(
+                f"sim pinned allocator {self.memory_info.name!r}: out of host memory "
+                f"allocating {nbytes} bytes"
+            ) from exc
+        base = int(raw.__array_interface__["data"][0])
+        ptr = (base + align - 1) & ~(align - 1)
+        with self._blocks_lock:
+            self._blocks[ptr] = raw
+        return ptr
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        with self._blocks_lock:
+            self._blocks.pop(ptr, None)
