@@ -9,6 +9,7 @@ from aioep import EpDevice, HardwareDevice, InvalidArgument, MemoryDevice, Memor
 from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
 
 from ._device import SIM_VENDOR_ID, SimDevice
+from ._loader import SimExternalDataLoader
 from ._memory import PinnedAllocator, SimAllocator
 from ._options import SimOptions
 from ._stream import SimStream
@@ -85,6 +86,10 @@ class SimFactory(EpFactory):
 
     def create_data_transfer(self) -> DataTransfer:
         return SimDataTransfer({d.device_id: d for d in self.devices}, self.options)
+
+    def create_external_data_loader(self) -> SimExternalDataLoader:
+        """Reads external initializer data straight into sim device memory (no host staging)."""
+        return SimExternalDataLoader({d.device_id: d for d in self.devices})
 
     def is_stream_aware(self) -> bool:
         return True
