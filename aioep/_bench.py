@@ -1,0 +1,422 @@
+"""``python -m aioep bench``: copy and wake micro-benchmarks with their baselines side by side.
+
+Per device pair (``host->host``, ``host->sim:0``, ``sim:0->host`` ...) it measures
+
+* copy bandwidth by transfer size: ``await copy_tensors(..., stream=s)`` against
+  ``numpy.copyto`` of the same bytes (the host memcpy ceiling);
+* 4 KiB copy latency: ``await copy_tensors`` against
+  ``await anyio.to_thread.run_sync(numpy.copyto, ...)``;
+* wake latency per device: from the moment the device's stream thread completes a
+  copy to the moment the awaiting task runs, against a thread that calls
+  ``loop.call_soon_threadsafe`` after the same memcpy.
+
+It runs under asyncio (the baselines are asyncio's). The numbers are for
+comparing on one machine in one run; they are not a benchmark suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from ._device import EpDevice
+from ._environment import Environment
+from ._errors import InvalidArgument
+from ._stream import SyncStream
+from ._tensor import Tensor
+from ._types import DeviceType, MemoryType
+
+__all__ = [
+    "BandwidthPoint",
+    "BenchReport",
+    "LatencyPoint",
+    "add_parser",
+    "format_report",
+    "main",
+    "parse_backend_options",
+    "plot_report",
+    "run_bench",
+]
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
+QUICK_SIZES = (4 * KiB, MiB)
+LATENCY_BYTES = 4 * KiB
+WAKE_BYTES = MiB  # big enough that the copy finishes on the stream's thread, not inline
+
+
+@dataclass(frozen=True)
+class BandwidthPoint:
+    """Best-of-N copy bandwidth for one device pair and size, with the numpy.copyto baseline."""
+
+    pair: str
+    nbytes: int
+    aioep_gbps: float
+    baseline_gbps: float
+
+
+@dataclass(frozen=True)
+class LatencyPoint:
+    """Median latency in microseconds of aioep and of its baseline."""
+
+    name: str
+    aioep_us: float
+    baseline_us: float
+    baseline: str
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``bench`` run measured."""
+
+    bandwidth: list[BandwidthPoint] = field(default_factory=list)
+    copy_latency: list[LatencyPoint] = field(default_factory=list)
+    wake_latency: list[LatencyPoint] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    load_errors: dict[str, str] = field(default_factory=dict)
+    quick: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``--json`` prints it)."""
+        return asdict(self)
+
+
+def _label(dev: EpDevice) -> str:
+    if dev.hardware.type is DeviceType.CPU:
+        return "host"
+    short = dev.ep_name.removesuffix("ExecutionProvider").lower() or dev.ep_name
+    return f"{short}:{dev.hardware.device_id}"
+
+
+def _matches(dev: EpDevice, wanted: str) -> bool:
+    w = wanted.lower()
+    return w in (_label(dev), dev.ep_name.lower()) or _label(dev).split(":")[0] == w
+
+
+def _pick_devices(env: Environment, wanted: str | None) -> list[EpDevice]:
+    chosen: list[EpDevice] = []
+    seen_eps: set[str] = set()
+    for dev in env.ep_devices():
+        if dev.memory_info(MemoryType.DEFAULT) is None:
+            continue
+        if wanted is None:
+            if dev.ep_name in seen_eps:  # the first device of each EP is enough by default
+                continue
+        elif not _matches(dev, wanted):
+            continue
+        seen_eps.add(dev.ep_name)
+        chosen.append(dev)
+    if wanted is not None and not chosen:
+        names = sorted(
+            {_label(d) for d in env.ep_devices()} | {d.ep_name for d in env.ep_devices()}
+        )
+        raise InvalidArgument(f"bench --device {wanted!r}: no such device; choose from {names}")
+    return chosen
+
+
+async def _best_time(fn: Callable[[], Awaitable[object]], budget: float, reps: int) -> float:
+    """Best wall time of ``fn`` over at least ``reps`` runs (more while ``budget`` lasts)."""
+    await fn()  # warm up: first-touch page faults, thread start-up
+    best = math.inf
+    start = time.perf_counter()
+    n = 0
+    while n < reps or (time.perf_counter() - start < budget and n < 50):
+        t0 = time.perf_counter()
+        await fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+async def _median_us(fn: Callable[[], Awaitable[object]], n: int) -> float:
+    await fn()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def _pairs(
+    env: Environment, dev: EpDevice, nbytes: int
+) -> list[tuple[str, Tensor | npt.NDArray[np.uint8], Tensor | npt.NDArray[np.uint8]]]:
+    """(label, source, destination) for each direction between the host and ``dev``."""
+    info = dev.memory_info(MemoryType.DEFAULT)
+    assert info is not None
+    host = np.ones(nbytes, np.uint8)
+    if dev.hardware.type is DeviceType.CPU:
+        return [("host->host", host, env.empty(nbytes, np.uint8, info))]
+    on_dev = env.empty(nbytes, np.uint8, info)
+    back = np.zeros(nbytes, np.uint8)
+    name = _label(dev)
+    return [(f"host->{name}", host, on_dev), (f"{name}->host", on_dev, back)]
+
+
+async def _bench_device(
+    env: Environment,
+    dev: EpDevice,
+    stream: SyncStream | None,
+    report: BenchReport,
+    sizes: Sequence[int],
+    quick: bool,
+) -> None:
+    budget, reps, n_lat = (0.0, 2, 20) if quick else (0.1, 3, 200)
+    for nbytes in sizes:
+        a = np.ones(nbytes, np.uint8)
+        b = np.empty_like(a)
+
+        async def baseline(a: npt.NDArray[np.uint8] = a, b: npt.NDArray[np.uint8] = b) -> None:
+            np.copyto(b, a)
+
+        base = await _best_time(baseline, budget, reps)
+        for label, src, dst in _pairs(env, dev, nbytes):
+
+            async def copy(src: Any = src, dst: Any = dst) -> None:
+                await env.copy_tensors([src], [dst], stream)
+
+            t = await _best_time(copy, budget, reps)
+            report.bandwidth.append(
+                BandwidthPoint(label, nbytes, nbytes / t / 1e9, nbytes / base / 1e9)
+            )
+
+    a4 = np.ones(LATENCY_BYTES, np.uint8)
+    b4 = np.empty_like(a4)
+
+    async def to_thread() -> None:
+        await anyio.to_thread.run_sync(np.copyto, b4, a4)
+
+    thread_us = await _median_us(to_thread, n_lat)
+    for label, src, dst in _pairs(env, dev, LATENCY_BYTES):
+
+        async def small(src: Any = src, dst: Any = dst) -> None:
+            await env.copy_tensors([src], [dst], stream)
+
+        report.copy_latency.append(
+            LatencyPoint(label, await _median_us(small, n_lat), thread_us, "to_thread")
+        )
+    if stream is not None:
+        ours = await _wake_latency(env, dev, stream, n_lat)
+        theirs = await _call_soon_threadsafe_latency(n_lat)
+        report.wake_latency.append(LatencyPoint(_label(dev), ours, theirs, "call_soon_threadsafe"))
+
+
+def _stamp(into: list[tuple[float, int]]) -> None:
+    into.append((time.perf_counter(), threading.get_ident()))
+
+
+async def _wake_latency(env: Environment, dev: EpDevice, stream: SyncStream, n: int) -> float:
+    """Median time from the stream thread completing a copy to the awaiting task running."""
+    _, src, dst = _pairs(env, dev, WAKE_BYTES)[0]
+    samples: list[float] = []
+    here = threading.get_ident()
+    for _ in range(n + 1):
+        stamp: list[tuple[float, int]] = []
+        fut = env.copy_tensors([src], [dst], stream)
+        fut.notification.impl.add_done_callback(functools.partial(_stamp, stamp))
+        await fut
+        woke = time.perf_counter()
+        if stamp and stamp[0][1] != here:  # completed on the device thread, not inline
+            samples.append(woke - stamp[0][0])
+    return statistics.median(samples[1:] or samples or [math.nan]) * 1e6
+
+
+async def _call_soon_threadsafe_latency(n: int) -> float:
+    """The same measurement for a plain thread that wakes the loop with call_soon_threadsafe."""
+    loop = asyncio.get_running_loop()
+    a = np.ones(WAKE_BYTES, np.uint8)
+    b = np.empty_like(a)
+    samples: list[float] = []
+    for _ in range(n + 1):
+        fut: asyncio.Future[float] = loop.create_future()
+
+        def work(fut: asyncio.Future[float] = fut) -> None:
+            np.copyto(b, a)
+            loop.call_soon_threadsafe(fut.set_result, time.perf_counter())
+
+        threading.Thread(target=work, daemon=True).start()
+        stamped = await fut
+        samples.append(time.perf_counter() - stamped)
+    return statistics.median(samples[1:]) * 1e6
+
+
+async def run_bench(
+    *,
+    device: str | None = None,
+    quick: bool = False,
+    sizes: Sequence[int] | None = None,
+    backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> BenchReport:
+    """Run the benchmarks in a fresh environment (must run under asyncio).
+
+    Args:
+        device: only devices whose label (``host``, ``sim:0``) or EP name matches;
+            default: the first device of each EP.
+        quick: two sizes and few repetitions (a smoke test, a second or two).
+        sizes: transfer sizes in bytes (default: 4 KiB to 64 MiB).
+        backend_options: passed to :class:`Environment`, e.g. ``{"sim": {"bandwidth_gbps": 8}}``.
+    """
+    report = BenchReport(quick=quick)
+    chosen_sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
+    env = Environment(backend_options=backend_options)
+    with warnings.catch_warnings():
+        # A backend that cannot start is listed in the report (load_errors), not raised.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        env.open()
+    try:
+        report.load_errors = dict(env.load_errors)
+        for dev in _pick_devices(env, device):
+            report.devices.append(f"{_label(dev)} ({dev.ep_name})")
+            try:
+                stream: SyncStream | None = env.create_sync_stream(dev)
+            except NotImplementedError:
+                stream = None
+            try:
+                await _bench_device(env, dev, stream, report, chosen_sizes, quick)
+            finally:
+                if stream is not None:
+                    await stream.aclose()
+    finally:
+        await env.aclose()
+    return report
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def format_report(report: BenchReport) -> str:
+    """The plain-text tables: aioep and the baseline side by side, with their ratio."""
+    lines = ["devices: " + ", ".join(report.devices)]
+    if report.load_errors:
+        lines.append(
+            "backends offering nothing: "
+            + "; ".join(f"{k}: {v}" for k, v in report.load_errors.items())
+        )
+    lines += [
+        "",
+        f"{'copy bandwidth (GB/s, best)':<32}{'aioep':>10}{'numpy.copyto':>14}{'ratio':>8}",
+    ]
+    for p in report.bandwidth:
+        ratio = p.aioep_gbps / p.baseline_gbps if p.baseline_gbps else math.nan
+        lines.append(
+            f"  {p.pair:<20}{_size(p.nbytes):>10}{p.aioep_gbps:>10.2f}{p.baseline_gbps:>14.2f}{ratio:>8.2f}"
+        )
+    for title, points in (
+        (f"copy latency, {LATENCY_BYTES // KiB} KiB (us, median)", report.copy_latency),
+        ("wake latency (us, median)", report.wake_latency),
+    ):
+        if not points:
+            continue
+        base = points[0].baseline
+        lines += ["", f"{title:<32}{'aioep':>10}{base:>22}{'ratio':>8}"]
+        for q in points:
+            ratio = q.aioep_us / q.baseline_us if q.baseline_us else math.nan
+            lines.append(f"  {q.name:<30}{q.aioep_us:>10.1f}{q.baseline_us:>22.1f}{ratio:>8.2f}")
+    return "\n".join(lines)
+
+
+def plot_report(report: BenchReport, path: str) -> None:
+    """Write a PNG of bandwidth against transfer size, one line per device pair.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (``pip install "aioep[plot]"``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pairs = sorted({p.pair for p in report.bandwidth})
+    for pair in pairs:
+        pts = sorted((p for p in report.bandwidth if p.pair == pair), key=lambda p: p.nbytes)
+        ax.plot([p.nbytes for p in pts], [p.aioep_gbps for p in pts], marker="o", label=pair)
+    base: dict[int, float] = {}
+    for p in report.bandwidth:
+        base[p.nbytes] = max(base.get(p.nbytes, 0.0), p.baseline_gbps)
+    sizes = sorted(base)
+    ax.plot(sizes, [base[s] for s in sizes], "k--", label="numpy.copyto (host)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [_size(s) for s in sizes])
+    ax.set_xlabel("transfer size")
+    ax.set_ylabel("GB/s")
+    ax.set_title("aioep copy bandwidth by device pair")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_backend_options(items: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``["sim.bandwidth_gbps=8"]`` -> ``{"sim": {"bandwidth_gbps": "8"}}``.
+
+    Raises:
+        InvalidArgument: an item is not ``BACKEND.KEY=VALUE``.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        backend, dot, name = key.partition(".")
+        if not (sep and dot and backend and name):
+            raise InvalidArgument(
+                f"backend option {item!r}: expected BACKEND.KEY=VALUE, e.g. sim.bandwidth_gbps=8"
+            )
+        out.setdefault(backend, {})[name] = value
+    return out
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to an argparse subparsers object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="copy and wake micro-benchmarks against their baselines",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument(
+        "--device", metavar="NAME", help="only this device: host, sim, sim:1, cuda:0 or an EP name"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write bandwidth vs size (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="two sizes, few repetitions (a smoke test)")
+    p.add_argument(
+        "-o",
+        "--backend-option",
+        action="append",
+        default=[],
+        metavar="BACKEND.KEY=VALUE",
+        help="a backend option, e.g. -o sim.bandwidth_gbps=8 -o sim.latency_us=20 (repeatable)",
+    )
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``bench`` with parsed arguments; returns the exit status."""
+    options = parse_backend_options(args.backend_option)
+    report = anyio.run(
+        lambda: run_bench(device=args.device, quick=args.quick, backend_options=options),
+        backend="asyncio",
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    if args.plot:
+        plot_report(report, args.plot)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0
