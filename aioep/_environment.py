@@ -10,7 +10,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +36,10 @@ from ._errors import (
 from ._external_data import ExternalDataLoader
 from ._factory import EpFactory
 from ._future import CopyFuture
-from ._host import HOST_EP_NAME, HostFactory, host_hardware_device
+from ._host import HOST_EP_NAME, HostFactory, host_hardware_device, lower_thread_priority
 from ._notification import Notification
 from ._stream import SyncStream
-from ._stream_impl import HostNotification
+from ._stream_impl import HostNotification, NotificationImpl, StreamImpl
 from ._tensor import Tensor, _normalize_shape
 from ._transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
 from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
@@ -724,11 +724,12 @@ class Environment:
             stream_library=None if stream_lib is None else stream_lib.name,
             allow_reshape=allow_reshape,
         )
-        libs = self._libraries_used(plan, stream_lib)
         if not plan.groups:
-            done = HostNotification()
-            done.set()
-            return CopyFuture.completed(plan.dst, Notification(done))
+            return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        if stream is None and plan.inline:
+            # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
+            return CopyFuture.completed(plan.dst, Notification(_Completed(_run_groups(plan))))
+        libs = self._libraries_used(plan, stream_lib)
         keepalive = plan.src + plan.dst
         if stream is not None:
             for transfer, pairs in plan.groups:
@@ -741,10 +742,7 @@ class Environment:
         else:
             signal = HostNotification()
             future = CopyFuture(keepalive, plan.dst, Notification(signal))
-            if plan.inline:
-                _run_plan(plan, signal)
-            else:
-                self._get_executor().submit(_run_plan, plan, signal)
+            self._get_executor().submit(_run_plan, plan, signal)
         if not future.done():
             self._inflight[future] = libs
             future.add_done_callback(self._forget)
@@ -763,7 +761,9 @@ class Environment:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
-                    max_workers=max(4, os.cpu_count() or 1), thread_name_prefix="aioep-copy"
+                    max_workers=max(4, os.cpu_count() or 1),
+                    thread_name_prefix="aioep-copy",
+                    initializer=lower_thread_priority,
                 )
             return self._executor
 
@@ -807,16 +807,48 @@ class Environment:
         return f"<Environment {self._state.value} libraries={list(self._libraries)}>"
 
 
-def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
-    error: BaseException | None = None
+def _run_groups(plan: CopyPlan) -> BaseException | None:
     for transfer, pairs in plan.groups:
         try:
             transfer.copy_tensors(pairs, None)
         except BaseException as exc:
             error = translate_backend_error(exc, f"{type(transfer).__name__}.copy_tensors")
-            error.__cause__ = exc
-            break
-    signal.set(error)
+            if error is not exc:
+                error.__cause__ = exc
+            return error
+    return None
+
+
+def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
+    signal.set(_run_groups(plan))
+
+
+class _Completed(NotificationImpl):
+    """The notification of a copy that finished before its future was made (inline or empty)."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self._error = error
+
+    def activate(self) -> None:
+        pass
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        pass  # already complete: nothing to order after
+
+    def query(self) -> bool:
+        return True
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        fn()
+        return True
+
+    def wait_on_host(self, timeout: float | None) -> bool:
+        return True
 
 
 def _quietly(fn: Any, what: str) -> None:
@@ -842,7 +874,8 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
     if isinstance(target, type) and issubclass(target, EpFactory):
         try:
             factory_cls: Any = target
-            return factory_cls(options) if options is not None else factory_cls()
+            made: EpFactory = factory_cls(options) if options is not None else factory_cls()
+            return made
         except EpError:
             raise
         except Exception as exc:

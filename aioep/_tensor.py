@@ -142,7 +142,7 @@ class Tensor:
     :func:`aioep.copy_tensors`.
     """
 
-    __slots__ = ("__weakref__", "buffer", "byte_offset", "dtype", "shape")
+    __slots__ = ("__weakref__", "_nbytes", "_size", "buffer", "byte_offset", "dtype", "shape")
 
     def __init__(
         self,
@@ -159,6 +159,13 @@ class Tensor:
             raise InvalidArgument(f"Tensor: {dtype!r} is not a numpy dtype") from exc
         if self.dtype.hasobject:
             raise InvalidArgument(f"Tensor: dtype {self.dtype} holds Python objects")
+        if not isinstance(buffer, Buffer):
+            raise InvalidArgument(f"Tensor: buffer must be an aioep.Buffer, got {buffer!r}")
+        size = 1
+        for d in self.shape:
+            size *= d
+        self._size = size
+        self._nbytes = size * self.dtype.itemsize
         self.buffer = buffer
         self.byte_offset = int(byte_offset)
         if self.byte_offset < 0 or self.byte_offset + self.nbytes > buffer.nbytes:
@@ -181,24 +188,34 @@ class Tensor:
             )
         if array.dtype.hasobject:
             raise InvalidArgument(f"Tensor.from_numpy: dtype {array.dtype} holds Python objects")
-        ptr = array.__array_interface__["data"][0]
+        nbytes = array.nbytes
         buffer = Buffer(
-            ptr, array.nbytes, HOST_MEMORY_INFO, owner=array, readonly=not array.flags.writeable
+            array.__array_interface__["data"][0],
+            nbytes,
+            HOST_MEMORY_INFO,
+            owner=array,
+            readonly=not array.flags.writeable,
         )
-        return cls(buffer, array.shape, array.dtype)
+        # The array already satisfies every check __init__ makes: skip them (this is the hot
+        # path of copy_tensors with numpy arguments).
+        tensor = cls.__new__(cls)
+        tensor.shape = array.shape
+        tensor.dtype = array.dtype
+        tensor._size = array.size
+        tensor._nbytes = nbytes
+        tensor.buffer = buffer
+        tensor.byte_offset = 0
+        return tensor
 
     @property
     def nbytes(self) -> int:
         """Size of the data in bytes."""
-        return self.size * self.dtype.itemsize
+        return self._nbytes
 
     @property
     def size(self) -> int:
         """Number of elements."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return self._size
 
     @property
     def ndim(self) -> int:
@@ -285,6 +302,33 @@ class Tensor:
                 "copy it to host memory first"
             )
         return exporter(self, stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3 for tensors in NVIDIA device memory (CuPy, PyTorch, Numba).
+
+        ``stream`` is the handle of the open stream the buffer was allocated on
+        (consumers order their work after it), else None. Other tensors have no
+        such attribute (``hasattr`` is False).
+        """
+        dev = self.device
+        if not (
+            dev.vendor_id == NVIDIA_VENDOR_ID
+            and dev.device_type is DeviceType.GPU
+            and dev.memory_type.value == "default"
+        ):
+            raise AttributeError(f"{self!r} is not in CUDA device memory")
+        stream = self.buffer.stream
+        handle = None if stream is None or getattr(stream, "closed", True) else stream.handle
+        return {
+            "version": 3,
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "descr": self.dtype.descr,
+            "data": (self.data_ptr, self.buffer.readonly),
+            "strides": None,
+            "stream": handle or None,
+        }
 
     def __repr__(self) -> str:
         return f"<Tensor shape={self.shape} dtype={self.dtype} on {self.memory_info.name!r}>"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument, NotImplementedByEp
@@ -61,10 +62,11 @@ class CopyPlan:
     @property
     def inline(self) -> bool:
         """True when every group is small enough for its transfer to run inline."""
-        sizes: dict[int, int] = {}
-        for transfer, pairs in self.groups:
-            sizes[id(transfer)] = sizes.get(id(transfer), 0) + sum(s.nbytes for s, _ in pairs)
-        return all(sizes[id(transfer)] <= transfer.max_inline_bytes for transfer, _ in self.groups)
+        # One group per transfer (plan_copies groups by transfer).
+        return all(
+            sum(s._nbytes for s, _ in pairs) <= transfer.max_inline_bytes
+            for transfer, pairs in self.groups
+        )
 
 
 def _address_space(device: MemoryDevice) -> object:
@@ -73,6 +75,17 @@ def _address_space(device: MemoryDevice) -> object:
 
 
 def _check_overlaps(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
+    if len(src) == 1:  # the common single pair: one interval test
+        s, d = src[0], dst[0]
+        if (
+            s._nbytes
+            and d._nbytes
+            and _address_space(s.device) == _address_space(d.device)
+            and s.data_ptr < d.data_ptr + d._nbytes
+            and d.data_ptr < s.data_ptr + s._nbytes
+        ):
+            raise InvalidArgument("copy_tensors: destination 0 overlaps source 0 in memory")
+        return
     spans: list[tuple[object, int, int, bool, int]] = []
     for i, t in enumerate(src):
         if t.nbytes:
@@ -120,29 +133,26 @@ def plan_copies(
     registration order; with a stream, transfers of the stream's own library
     are tried first and a transfer must be able to use the stream.
     """
-    if isinstance(src, (Tensor, str, bytes)) or not isinstance(src, Sequence):
-        raise InvalidArgument(
-            f"copy_tensors: src must be a list of tensors, got {type(src).__name__}"
-        )
-    if isinstance(dst, (Tensor, str, bytes)) or not isinstance(dst, Sequence):
-        raise InvalidArgument(
-            f"copy_tensors: dst must be a list of tensors, got {type(dst).__name__}"
-        )
+    for what, seq in (("src", src), ("dst", dst)):
+        if type(seq) not in (list, tuple) and (
+            isinstance(seq, (Tensor, str, bytes)) or not isinstance(seq, Sequence)
+        ):
+            raise InvalidArgument(
+                f"copy_tensors: {what} must be a list of tensors, got {type(seq).__name__}"
+            )
     if len(src) != len(dst):
         raise InvalidArgument(
             f"copy_tensors: {len(src)} source(s) but {len(dst)} destination(s); "
             "the lists must have the same length"
         )
-    srcs = [as_tensor(s, role=f"copy_tensors source {i}") for i, s in enumerate(src)]
-    dsts = [
-        as_tensor(d, role=f"copy_tensors destination {i}", writable=True) for i, d in enumerate(dst)
-    ]
+    srcs = [_tensor_arg(s, "source", i, False) for i, s in enumerate(src)]
+    dsts = [_tensor_arg(d, "destination", i, True) for i, d in enumerate(dst)]
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.dtype != d.dtype:
+        if s.dtype is not d.dtype and s.dtype != d.dtype:
             raise InvalidArgument(
                 f"copy_tensors pair {i}: source dtype {s.dtype} differs from destination dtype {d.dtype}"
             )
-        if s.nbytes != d.nbytes:
+        if s._nbytes != d._nbytes:
             raise InvalidArgument(
                 f"copy_tensors pair {i}: Tensor size mismatch: source {s.shape} has {s.nbytes} "
                 f"bytes, destination {d.shape} has {d.nbytes}"
@@ -166,19 +176,29 @@ def plan_copies(
         ordered += [t for t in transfers if t[0] != stream_library]
     else:
         ordered = list(transfers)
-    plan = CopyPlan(srcs, dsts)
     routes: dict[tuple[MemoryDevice, MemoryDevice], DataTransfer] = {}
     grouped: dict[int, tuple[DataTransfer, list[CopyPair]]] = {}
+    nbytes = 0
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        key = (s.device, d.device)
+        key = (s.buffer.memory_info.device, d.buffer.memory_info.device)
         transfer = routes.get(key)
         if transfer is None:
             transfer = _route(key, ordered, stream_impl, i)
             routes[key] = transfer
-        grouped.setdefault(id(transfer), (transfer, []))[1].append((s, d))
-        plan.nbytes += s.nbytes
-    plan.groups = list(grouped.values())
-    return plan
+        group = grouped.get(id(transfer))
+        if group is None:
+            grouped[id(transfer)] = group = (transfer, [])
+        group[1].append((s, d))
+        nbytes += s._nbytes
+    return CopyPlan(srcs, dsts, list(grouped.values()), nbytes)
+
+
+def _tensor_arg(value: TensorLike, kind: str, index: int, writable: bool) -> Tensor:
+    if type(value) is Tensor:
+        return value
+    if type(value) is np.ndarray and value.flags.c_contiguous:
+        return Tensor.from_numpy(value)
+    return as_tensor(value, role=f"copy_tensors {kind} {index}", writable=writable)
 
 
 def _route(

@@ -7,6 +7,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from ._errors import InvalidArgument
 
@@ -78,10 +79,38 @@ class MemoryDevice:
     vendor_id: int = 0
     device_id: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_type, DeviceType):
+            raise InvalidArgument(
+                f"MemoryDevice.device_type must be a DeviceType, got {self.device_type!r}"
+            )
+        if not isinstance(self.memory_type, MemoryType):
+            raise InvalidArgument(
+                f"MemoryDevice.memory_type must be a MemoryType, got {self.memory_type!r}"
+            )
+        # Routing and allocator lookups hash these on every copy: compute the hash once.
+        object.__setattr__(
+            self,
+            "_hash",
+            hash((self.device_type.value, self.memory_type.value, self.vendor_id, self.device_id)),
+        )
+        object.__setattr__(
+            self,
+            "_host_accessible",
+            self.device_type is DeviceType.CPU or self.memory_type is MemoryType.HOST_ACCESSIBLE,
+        )
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined,no-any-return]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild on unpickling: the cached hash depends on the process's string hash seed.
+        return (type(self), (self.device_type, self.memory_type, self.vendor_id, self.device_id))
+
     @property
     def is_host_accessible(self) -> bool:
         """True when the CPU can read this memory directly (host RAM or pinned memory)."""
-        return self.device_type is DeviceType.CPU or self.memory_type is MemoryType.HOST_ACCESSIBLE
+        return self._host_accessible  # type: ignore[attr-defined,no-any-return]
 
     def __str__(self) -> str:
         kind = self.device_type.value
