@@ -244,7 +244,7 @@ class ThreadStream(StreamImpl):
                 self._queue.append(("signal", notification, generation))
                 self._cond.notify()
                 return
-            error, self._pending_error = self._pending_error, None
+            error = self._take_error()
         # The stream already passed this point: complete it here (callbacks run on this thread).
         if not notification.set(error, generation=generation) and error is not None:
             self._keep_error(error)
@@ -264,6 +264,15 @@ class ThreadStream(StreamImpl):
         with self._cond:
             if self._pending_error is None:
                 self._pending_error = error
+
+    def _take_error(self) -> BaseException | None:
+        # Called under self._cond when the stream reaches a mark.
+        error, self._pending_error = self._pending_error, None
+        return error if error is not None else self.sticky_error()
+
+    def sticky_error(self) -> BaseException | None:
+        """Hook: an error every mark reports from now on (a lost device), else None."""
+        return None
 
     def on_error(self, exc: BaseException) -> None:
         """Hook: called on the thread that ran a failed op (a backend may mark the device lost)."""
@@ -286,7 +295,7 @@ class ThreadStream(StreamImpl):
                 kind, obj, generation = self._queue.popleft()
                 self._busy = True
                 if kind == "signal":
-                    error, self._pending_error = self._pending_error, None
+                    error = self._take_error()
             try:
                 if kind == "op":
                     self._run_op(obj)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from aioep import EpDevice, HardwareDevice, InvalidArgument, MemoryDevice, Memor
 from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
 
 from ._device import SIM_VENDOR_ID, SimDevice
+from ._ep import SimEp
 from ._loader import SimExternalDataLoader
 from ._memory import PinnedAllocator, SimAllocator
 from ._options import SimOptions
@@ -105,6 +106,10 @@ class SimFactory(EpFactory):
                 f"sim stream: {memory_device} is not the DEFAULT memory of a sim device"
             )
         return SimStream(dev)
+
+    def create_ep(self, ep_devices: Sequence[EpDevice], options: Mapping[str, Any] | None) -> SimEp:
+        """The sim execution provider (numpy kernels on sim device memory); see ``_ep.py``."""
+        return SimEp(self, options)
 
     def __repr__(self) -> str:
         return f"<SimFactory devices={len(self.devices)} {self.options}>"

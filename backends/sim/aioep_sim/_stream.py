@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from aioep import DeviceError
 from aioep.abc import ThreadStream
 
 from ._device import SimDevice
@@ -25,6 +26,12 @@ class SimStream(ThreadStream):
     def __init__(self, device: SimDevice) -> None:
         super().__init__(f"sim:{device.device_id}/stream-{next(_ids)}")
         self.device = device
+
+    def sticky_error(self) -> BaseException | None:
+        """Once the device is lost, every later mark on its streams reports it (as CUDA does)."""
+        if self.device.lost_reason is None:
+            return None
+        return DeviceError(f"sim device {self.device.device_id}: {self.device.lost_reason}")
 
     def __repr__(self) -> str:
         return f"<SimStream {self.name}>"
