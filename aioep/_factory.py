@@ -14,6 +14,7 @@ from ._types import HardwareDevice, MemoryDevice, MemoryInfo
 
 if TYPE_CHECKING:
     from ._device import EpDevice
+    from ._ep import Ep
     from ._external_data import ExternalDataLoader
 
 __all__ = ["EpFactory", "FactoryOptions"]
@@ -67,8 +68,8 @@ class EpFactory(abc.ABC):
         """A loader that puts external initializer data straight into device memory, or None."""
         return None
 
-    def create_ep(self, ep_devices: Sequence[EpDevice], options: Mapping[str, Any] | None) -> Any:
-        """An execution provider (``aioep.Ep``) for these devices."""
+    def create_ep(self, ep_devices: Sequence[EpDevice], options: Mapping[str, Any] | None) -> Ep:
+        """An execution provider (``aioep.Ep``) for these devices, one per session."""
         raise NotImplementedByEp(f"The execution provider {self.name!r} cannot create an EP.")
 
     def close(self) -> None:

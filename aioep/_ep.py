@@ -1,0 +1,164 @@
+"""The execution-provider interface a backend implements (ORT's ``OrtEp``): claim nodes of a
+graph (``get_capability``) and compile the claimed groups into callables (``compile``).
+
+The contract, in the order a session uses it:
+
+1. ``factory.create_ep(ep_devices, options)`` makes one :class:`Ep` per session;
+   the session then binds it to the environment and devices (:attr:`Ep.environment`,
+   :attr:`Ep.ep_devices`).
+2. ``ep.get_capability(graph)`` returns :class:`IndexedSubGraph` claims: node
+   indices of the :class:`GraphView`, plus a :class:`MetaDef` for a fused group (a
+   single node may come without one). Nodes a higher-priority EP already took are
+   marked (``graph.assigned_ep(i)``) and must not be claimed again.
+3. ``ep.compile(groups)`` gets one :class:`FusedGroup` per accepted claim and returns
+   one :class:`CompiledNode` per group, in the same order.
+4. Per run, the session calls ``await compiled(inputs, stream)``: ``inputs`` follow
+   ``meta_def.inputs`` and live in :attr:`Ep.memory_info` (the session copied them
+   there and, for initializers, uploaded them once); the call returns one tensor per
+   ``meta_def.outputs``, allocated by the EP with :meth:`Ep.allocate` (the
+   environment's shared allocator for the EP's device memory). With a stream, the
+   call may return as soon as the work is *enqueued* on it: the outputs are valid
+   for work enqueued later on that stream. With ``stream=None`` the work must be
+   complete when the call returns.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
+
+from ._errors import ClosedError, InvalidArgument
+from ._tensor import Tensor
+from ._types import MemoryInfo, MemoryType
+
+if TYPE_CHECKING:
+    from ._device import EpDevice
+    from ._environment import Environment
+    from ._graph import GraphView, Node
+    from ._stream import SyncStream
+
+__all__ = ["CompiledNode", "Ep", "FusedGroup", "IndexedSubGraph", "MetaDef"]
+
+
+@dataclass(frozen=True)
+class MetaDef:
+    """The interface of a fused group: its name and the values it reads and makes.
+
+    ``inputs`` must name every value the group reads from outside (graph inputs,
+    initializers, other nodes' outputs); ``outputs`` every value it makes that is read
+    outside or is a graph output (more may be listed).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    domain: str = "aioep.fused"
+    attributes: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+
+
+@dataclass(frozen=True)
+class IndexedSubGraph:
+    """A claim: node indices of the graph view, and a meta-def when they form a fused group."""
+
+    nodes: tuple[int, ...]
+    meta_def: MetaDef | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """An accepted claim, as :meth:`Ep.compile` receives it: the meta-def (generated for a
+    single node claimed without one), the nodes in topological order, and the graph."""
+
+    meta_def: MetaDef
+    nodes: tuple[Node, ...]
+    graph: GraphView = field(repr=False)
+
+
+class CompiledNode(abc.ABC):
+    """A compiled group, called once per run; see the module docstring for the contract."""
+
+    @abc.abstractmethod
+    async def __call__(
+        self, inputs: Sequence[Tensor], stream: SyncStream | None
+    ) -> Sequence[Tensor]:
+        """Run (or enqueue on ``stream``) the group and return its outputs in meta-def order."""
+
+    def release(self) -> None:
+        """Free what the compiled node holds; called when the session closes."""
+
+
+class Ep(abc.ABC):
+    """An execution provider instance for one session.
+
+    Subclasses set ``name`` (the EP name, e.g. ``"SimExecutionProvider"``) and
+    implement :meth:`get_capability` and :meth:`compile`.
+    """
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._environment: Environment | None = None
+        self._ep_devices: tuple[EpDevice, ...] = ()
+
+    def _bind(self, environment: Environment, ep_devices: Sequence[EpDevice]) -> None:
+        self._environment = environment
+        self._ep_devices = tuple(ep_devices)
+
+    @property
+    def environment(self) -> Environment:
+        """The environment of the session that uses this EP."""
+        if self._environment is None:
+            raise ClosedError(f"{self!r} is not bound to a session yet")
+        return self._environment
+
+    @property
+    def ep_devices(self) -> tuple[EpDevice, ...]:
+        """The EP devices the session gave this EP (the first one runs its work)."""
+        return self._ep_devices
+
+    @property
+    def memory_info(self) -> MemoryInfo:
+        """Where this EP wants its inputs and puts its outputs (default: the first device's
+        DEFAULT memory)."""
+        if not self._ep_devices:
+            raise InvalidArgument(f"{self!r} has no EP devices")
+        info = self._ep_devices[0].memory_info(MemoryType.DEFAULT)
+        if info is None:
+            raise InvalidArgument(f"{self._ep_devices[0]!r} has no DEFAULT memory")
+        return info
+
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: npt.DTypeLike,
+        *,
+        stream: SyncStream | None = None,
+        memory_info: MemoryInfo | None = None,
+    ) -> Tensor:
+        """An output tensor from the environment's shared allocator for :attr:`memory_info`."""
+        return self.environment.empty(shape, dtype, memory_info or self.memory_info, stream=stream)
+
+    @abc.abstractmethod
+    def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
+        """The node groups this EP claims (skip nodes where ``graph.assigned_ep(i)`` is set)."""
+
+    @abc.abstractmethod
+    def compile(self, fused_groups: Sequence[FusedGroup]) -> list[CompiledNode]:
+        """One compiled node per fused group, in the same order."""
+
+    def release(self) -> None:
+        """Free what the EP holds; called when the session closes."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

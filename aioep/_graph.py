@@ -1,0 +1,568 @@
+"""A read-only view of an ONNX model graph for execution providers (ORT's ``OrtGraph`` /
+``GraphViewer``), built on the ``onnx`` package.
+
+EPs look at a :class:`GraphView` in ``get_capability``: nodes in topological order
+(:class:`Node`: index, op type, domain, inputs, outputs, attributes), value types
+and shapes (:class:`ValueInfo`, from ONNX shape inference), and initializers
+(:class:`Initializer`; external data is read only when asked).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InvalidArgument, NoSuchFile, NotImplementedByEp
+
+__all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
+
+Dim = int | str | None
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise NotImplementedByEp(
+            "aioep sessions need the 'onnx' package: pip install 'aioep[onnx]'"
+        ) from exc
+    return onnx
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Type and shape of a value; ``shape`` is None when the rank is unknown and a
+    dimension is an int, a symbolic name (str) or None when unknown."""
+
+    name: str
+    elem_type: int
+    shape: tuple[Dim, ...] | None
+
+    @property
+    def dtype(self) -> np.dtype[Any] | None:
+        """The numpy dtype of a tensor value, or None (unknown type, or not a tensor)."""
+        if not self.elem_type:
+            return None
+        onnx = _onnx()
+        try:
+            dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.elem_type))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return dtype
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node; ``index`` is its position in :attr:`GraphView.nodes` (topological order).
+
+    ``inputs`` keeps ONNX's empty string for a missing optional input.
+    ``implicit_inputs`` are outer-scope values read by subgraph attributes (If, Loop, Scan).
+    """
+
+    index: int
+    name: str
+    op_type: str
+    domain: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attributes: Mapping[str, Any] = field(compare=False)
+    implicit_inputs: tuple[str, ...] = ()
+    proto: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def all_inputs(self) -> tuple[str, ...]:
+        """Explicit (non-empty) then implicit inputs, without duplicates."""
+        seen: dict[str, None] = {}
+        for name in (*self.inputs, *self.implicit_inputs):
+            if name:
+                seen.setdefault(name, None)
+        return tuple(seen)
+
+
+class Initializer:
+    """A constant tensor of the model; its data is read only by :meth:`numpy`."""
+
+    __slots__ = ("_base_dir", "_proto", "dtype", "external", "name", "shape")
+
+    def __init__(self, proto: Any, base_dir: Path | None) -> None:
+        onnx = _onnx()
+        self._proto = proto
+        self._base_dir = base_dir
+        self.name: str = proto.name
+        self.shape: tuple[int, ...] = tuple(int(d) for d in proto.dims)
+        self.dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(proto.data_type))
+        self.external: bool = proto.data_location == onnx.TensorProto.EXTERNAL
+
+    @property
+    def proto(self) -> Any:
+        """The ``onnx.TensorProto`` (external data not loaded)."""
+        return self._proto
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the data in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def numpy(self) -> npt.NDArray[Any]:
+        """Read the data (from the external file when the data is external).
+
+        Raises:
+            NoSuchFile: the external data file is missing.
+        """
+        onnx = _onnx()
+        base = "" if self._base_dir is None else os.fspath(self._base_dir)
+        if self.external and self._base_dir is None:
+            raise InvalidArgument(
+                f"initializer {self.name!r} has external data, but the model was given as a "
+                "proto without a path; load it with GraphView.from_model(path)"
+            )
+        if self.external:
+            location = next((e.value for e in self._proto.external_data if e.key == "location"), "")
+            file = Path(base) / location
+            if not file.is_file():
+                raise NoSuchFile(
+                    f"initializer {self.name!r}: external data file {str(file)!r} does not exist"
+                )
+        try:
+            return np.asarray(onnx.numpy_helper.to_array(self._proto, base_dir=base))
+        except FileNotFoundError as exc:
+            raise NoSuchFile(
+                f"initializer {self.name!r}: external data file not found: {exc}"
+            ) from exc
+
+    def __repr__(self) -> str:
+        ext = " external" if self.external else ""
+        return f"<Initializer {self.name!r} {self.dtype}{list(self.shape)}{ext}>"
+
+
+def _attribute_value(onnx: Any, attr: Any) -> Any:
+    if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+        return attr.g if attr.type == onnx.AttributeProto.GRAPH else tuple(attr.graphs)
+    value = onnx.helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, list):
+        return tuple(
+            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in value
+        )
+    return value
+
+
+def _outer_scope_reads(graph: Any) -> set[str]:
+    """Names a subgraph reads that it neither defines nor receives as inputs."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    reads: set[str] = set()
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                reads.add(name)
+        for attr in node.attribute:
+            for sub in (attr.g,) if attr.HasField("g") else tuple(attr.graphs):
+                reads |= _outer_scope_reads(sub) - defined
+        defined.update(o for o in node.output if o)
+    return reads
+
+
+def _value_info(onnx: Any, vi: Any) -> ValueInfo:
+    t = vi.type
+    if t.WhichOneof("value") != "tensor_type":
+        return ValueInfo(vi.name, 0, None)
+    tt = t.tensor_type
+    shape: tuple[Dim, ...] | None = None
+    if tt.HasField("shape"):
+        dims: list[Dim] = []
+        for d in tt.shape.dim:
+            kind = d.WhichOneof("value")
+            dims.append(d.dim_value if kind == "dim_value" else d.dim_param if kind else None)
+        shape = tuple(dims)
+    return ValueInfo(vi.name, int(tt.elem_type), shape)
+
+
+class GraphView:
+    """A read-only view of a model's main graph; build it with :meth:`from_model`.
+
+    Attributes: ``nodes`` (topological order), ``inputs`` and ``outputs``
+    (:class:`ValueInfo`, graph inputs that are initializers excluded),
+    ``initializers`` (name -> :class:`Initializer`), ``opsets`` (domain -> version).
+    """
+
+    __slots__ = (
+        "_assigned",
+        "_consumers",
+        "_model",
+        "_producer",
+        "_value_infos",
+        "initializers",
+        "inputs",
+        "model_path",
+        "nodes",
+        "opsets",
+        "outputs",
+    )
+
+    _assigned: Mapping[int, str]
+    _consumers: dict[str, tuple[int, ...]]
+    _model: Any
+    _producer: dict[str, int]
+    _value_infos: dict[str, ValueInfo]
+    initializers: Mapping[str, Initializer]
+    inputs: tuple[ValueInfo, ...]
+    model_path: Path | None
+    nodes: tuple[Node, ...]
+    opsets: Mapping[str, int]
+    outputs: tuple[ValueInfo, ...]
+
+    def __init__(self) -> None:
+        raise TypeError("use GraphView.from_model(path_or_model_proto) to create a GraphView")
+
+    @classmethod
+    def from_model(cls, model: str | os.PathLike[str] | Any) -> GraphView:
+        """View an ONNX model given as a path or an ``onnx.ModelProto``.
+
+        External initializer data is not loaded. Raises :class:`NoSuchFile` for a
+        missing file and :class:`InvalidArgument` for something that is not a model
+        or a graph that is not a DAG.
+        """
+        onnx = _onnx()
+        path: Path | None = None
+        if isinstance(model, (str, os.PathLike)):
+            path = Path(os.fspath(model))
+            if not path.is_file():
+                raise NoSuchFile(f"ONNX model file {str(path)!r} does not exist")
+            try:
+                proto = onnx.load(os.fspath(path), load_external_data=False)
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"{str(path)!r} is not a readable ONNX model: {type(exc).__name__}: {exc}"
+                ) from exc
+        elif isinstance(model, onnx.ModelProto):
+            proto = model
+        else:
+            raise InvalidArgument(
+                f"expected an ONNX model path or onnx.ModelProto, got {type(model).__name__}"
+            )
+        self = object.__new__(cls)
+        self.model_path = path
+        self._model = proto
+        self._assigned = MappingProxyType({})
+        self._build(onnx, proto, None if path is None else path.parent)
+        return self
+
+    def _build(self, onnx: Any, model: Any, base_dir: Path | None) -> None:
+        graph = model.graph
+        self.opsets = MappingProxyType({o.domain: int(o.version) for o in model.opset_import})
+        self.initializers = MappingProxyType(
+            {t.name: Initializer(t, base_dir) for t in graph.initializer}
+        )
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+            infos = [*inferred.input, *inferred.value_info, *inferred.output]
+        except Exception:  # inference is a help, not a requirement
+            infos = [*graph.input, *graph.value_info, *graph.output]
+        values: dict[str, ValueInfo] = {}
+        for vi in infos:
+            values.setdefault(vi.name, _value_info(onnx, vi))
+        for init in self.initializers.values():
+            values.setdefault(
+                init.name, ValueInfo(init.name, int(init.proto.data_type), init.shape)
+            )
+        self._value_infos = values
+        self.inputs = tuple(values[i.name] for i in graph.input if i.name not in self.initializers)
+        self.outputs = tuple(values.get(o.name, _value_info(onnx, o)) for o in graph.output)
+
+        raw = list(graph.node)
+        implicit = []
+        for node in raw:
+            reads: set[str] = set()
+            for attr in node.attribute:
+                for sub in (attr.g,) if attr.HasField("g") else tuple(attr.graphs):
+                    reads |= _outer_scope_reads(sub)
+            implicit.append(tuple(sorted(reads - set(node.input))))
+        order = _topological_order(
+            raw, implicit, set(self.initializers) | {i.name for i in graph.input}
+        )
+        nodes: list[Node] = []
+        producer: dict[str, int] = {}
+        consumers: dict[str, list[int]] = {}
+        for index, old in enumerate(order):
+            p = raw[old]
+            node = Node(
+                index=index,
+                name=p.name,
+                op_type=p.op_type,
+                domain=p.domain,
+                inputs=tuple(p.input),
+                outputs=tuple(p.output),
+                attributes=MappingProxyType(
+                    {a.name: _attribute_value(onnx, a) for a in p.attribute}
+                ),
+                implicit_inputs=implicit[old],
+                proto=p,
+            )
+            nodes.append(node)
+            for out in node.outputs:
+                if out:
+                    producer[out] = index
+            for name in node.all_inputs:
+                consumers.setdefault(name, []).append(index)
+        self.nodes = tuple(nodes)
+        self._producer = producer
+        self._consumers = {k: tuple(v) for k, v in consumers.items()}
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The underlying ``onnx.ModelProto`` (do not modify it)."""
+        return self._model
+
+    def value_info(self, name: str) -> ValueInfo | None:
+        """Type and shape of a value (graph input, output, intermediate or initializer)."""
+        return self._value_infos.get(name)
+
+    def producer(self, name: str) -> int | None:
+        """Index of the node that produces ``name`` (None for inputs and initializers)."""
+        return self._producer.get(name)
+
+    def consumers(self, name: str) -> tuple[int, ...]:
+        """Indices of the nodes that read ``name`` (explicitly or from a subgraph)."""
+        return self._consumers.get(name, ())
+
+    def predecessors(self, index: int) -> set[int]:
+        """Indices of the nodes whose outputs node ``index`` reads."""
+        return {
+            p
+            for name in self.nodes[index].all_inputs
+            if (p := self._producer.get(name)) is not None
+        }
+
+    def successors(self, index: int) -> set[int]:
+        """Indices of the nodes that read an output of node ``index``."""
+        return {c for name in self.nodes[index].outputs if name for c in self.consumers(name)}
+
+    def is_constant(self, name: str) -> bool:
+        """True for an initializer."""
+        return name in self.initializers
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Names of the graph outputs."""
+        return tuple(o.name for o in self.outputs)
+
+    def assigned_ep(self, index: int) -> str | None:
+        """The EP that already claimed node ``index`` (during partitioning), or None."""
+        return self._assigned.get(index)
+
+    @property
+    def unassigned_nodes(self) -> tuple[int, ...]:
+        """Indices of the nodes no higher-priority EP has claimed yet."""
+        return tuple(i for i in range(len(self.nodes)) if i not in self._assigned)
+
+    def _with_assigned(self, assigned: Mapping[int, str]) -> GraphView:
+        view = object.__new__(GraphView)
+        for name in GraphView.__slots__:
+            object.__setattr__(view, name, getattr(self, name))
+        view._assigned = MappingProxyType(dict(assigned))
+        return view
+
+    def boundary(self, indices: Iterable[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(inputs, outputs) of a node group: the values it reads from outside (initializers
+        included) and the values it makes that are read outside or are graph outputs."""
+        group = set(indices)
+        produced: set[str] = set()
+        inputs: dict[str, None] = {}
+        for i in sorted(group):
+            for name in self.nodes[i].all_inputs:
+                if name not in produced:
+                    inputs.setdefault(name, None)
+            produced.update(o for o in self.nodes[i].outputs if o)
+        graph_outputs = set(self.output_names)
+        outputs = [
+            name
+            for i in sorted(group)
+            for name in self.nodes[i].outputs
+            if name and (name in graph_outputs or any(c not in group for c in self.consumers(name)))
+        ]
+        return tuple(inputs), tuple(outputs)
+
+    def convex_groups(self, indices: Iterable[int]) -> list[tuple[int, ...]]:
+        """Split a node set into connected groups that are each convex and that can run one
+        after another (a helper for EPs that fuse what they support, like ORT's
+        ``CreateSupportedPartitions``).
+
+        Nodes are visited in a topological order that stays within the set as long
+        as it can; each run of set nodes is then split into connected components.
+        """
+        wanted = set(indices)
+        labels = [i in wanted for i in range(len(self.nodes))]
+        runs = _grouped_runs([self.predecessors(i) for i in range(len(self.nodes))], labels)
+        groups: list[tuple[int, ...]] = []
+        for label, run in runs:
+            if label:
+                groups.extend(self._components(run))
+        return groups
+
+    def _components(self, run: Sequence[int]) -> list[tuple[int, ...]]:
+        members = set(run)
+        seen: set[int] = set()
+        out: list[tuple[int, ...]] = []
+        for start in run:
+            if start in seen:
+                continue
+            comp, stack = [], [start]
+            seen.add(start)
+            while stack:
+                n = stack.pop()
+                comp.append(n)
+                for m in (self.predecessors(n) | self.successors(n)) & members:
+                    if m not in seen:
+                        seen.add(m)
+                        stack.append(m)
+            out.append(tuple(sorted(comp)))
+        return out
+
+    # -- sub-models ------------------------------------------------------------------------
+    def extract_model(
+        self,
+        indices: Iterable[int],
+        inputs: Sequence[str] | None = None,
+        outputs: Sequence[str] | None = None,
+        *,
+        load_external_data: bool = True,
+    ) -> Any:
+        """A standalone ``onnx.ModelProto`` that computes a node group (for delegating it to
+        onnxruntime). Defaults to the group's :meth:`boundary`; initializers the group
+        reads become initializers of the sub-model (external data loaded)."""
+        onnx = _onnx()
+        helper = onnx.helper
+        group = sorted(set(indices))
+        b_in, b_out = self.boundary(group)
+        inputs = b_in if inputs is None else tuple(inputs)
+        outputs = b_out if outputs is None else tuple(outputs)
+        inits = []
+        graph_inputs = []
+        for name in inputs:
+            init = self.initializers.get(name)
+            if init is not None:
+                if init.external and load_external_data:
+                    inits.append(onnx.numpy_helper.from_array(init.numpy(), name))
+                else:
+                    inits.append(init.proto)
+            else:
+                graph_inputs.append(self._value_info_proto(helper, name))
+        model = helper.make_model(
+            helper.make_graph(
+                [self.nodes[i].proto for i in group],
+                f"{self._model.graph.name or 'graph'}_part",
+                graph_inputs,
+                [self._value_info_proto(helper, name) for name in outputs],
+                initializer=inits,
+            ),
+            opset_imports=list(self._model.opset_import),
+            ir_version=self._model.ir_version,
+        )
+        model.functions.extend(self._model.functions)
+        return model
+
+    def _value_info_proto(self, helper: Any, name: str) -> Any:
+        info = self._value_infos.get(name)
+        if info is None or not info.elem_type:
+            raise NotImplementedByEp(
+                f"the type of value {name!r} is unknown (ONNX shape inference could not find it), "
+                "so the graph cannot be split there"
+            )
+        shape = None if info.shape is None else list(info.shape)
+        return helper.make_tensor_value_info(name, info.elem_type, shape)
+
+    def __repr__(self) -> str:
+        where = f" {str(self.model_path)!r}" if self.model_path is not None else ""
+        return f"<GraphView{where} nodes={len(self.nodes)} inputs={len(self.inputs)} outputs={len(self.outputs)}>"
+
+
+def _topological_order(
+    raw: Sequence[Any], implicit: Sequence[tuple[str, ...]], known: set[str]
+) -> list[int]:
+    """Kahn's algorithm, stable (the file order where it is already valid)."""
+    producer: dict[str, int] = {}
+    for i, node in enumerate(raw):
+        for out in node.output:
+            if out:
+                if out in producer:
+                    raise InvalidArgument(
+                        f"value {out!r} is produced by two nodes ({raw[producer[out]].name!r} and "
+                        f"{node.name!r})"
+                    )
+                producer[out] = i
+    indegree = [0] * len(raw)
+    succ: list[list[int]] = [[] for _ in raw]
+    for i, node in enumerate(raw):
+        preds = {producer[n] for n in (*node.input, *implicit[i]) if n and n in producer}
+        for p in preds:
+            succ[p].append(i)
+        indegree[i] = len(preds)
+    ready = [i for i, d in enumerate(indegree) if d == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for s in succ[i]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                heapq.heappush(ready, s)
+    if len(order) != len(raw):
+        stuck = [raw[i].name or f"#{i}" for i in range(len(raw)) if indegree[i] > 0]
+        raise InvalidArgument(f"the graph has a cycle through nodes {stuck[:10]}")
+    return order
+
+
+def _grouped_runs(
+    preds: Sequence[Iterable[int]], labels: Sequence[Any]
+) -> list[tuple[Any, list[int]]]:
+    """Order units topologically, preferring to continue with the label just emitted, and
+    return the runs of equal labels in that order.
+
+    ``preds[u]`` are unit ``u``'s predecessors. Raises ValueError (with the units
+    left over) if the units do not form a DAG.
+    """
+    n = len(preds)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for u, ps in enumerate(preds):
+        uniq = set(ps)
+        uniq.discard(u)
+        indegree[u] = len(uniq)
+        for p in uniq:
+            succ[p].append(u)
+    ready: dict[Any, list[int]] = {}
+    for u in range(n):
+        if indegree[u] == 0:
+            heapq.heappush(ready.setdefault(labels[u], []), u)
+    runs: list[tuple[Any, list[int]]] = []
+    current: Any = object()
+    emitted = 0
+    while emitted < n:
+        heap = ready.get(current)
+        if not heap:
+            candidates = [(h[0], label) for label, h in ready.items() if h]
+            if not candidates:
+                left = [u for u in range(n) if indegree[u] > 0]
+                raise ValueError(left)
+            _, current = min(candidates, key=lambda c: c[0])
+            heap = ready[current]
+            runs.append((current, []))
+        u = heapq.heappop(heap)
+        runs[-1][1].append(u)
+        emitted += 1
+        for s in succ[u]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                heapq.heappush(ready.setdefault(labels[s], []), s)
+    return runs

@@ -1,0 +1,220 @@
+"""Graph partitioning: ask each EP, in priority order, which nodes it claims; validate the
+claims; group what nobody claimed into convex subgraphs for the CPU fallback; and order
+all partitions so that each runs after the partitions it reads from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._ep import Ep, IndexedSubGraph, MetaDef
+from ._errors import InvalidArgument
+from ._graph import GraphView, _grouped_runs
+
+__all__ = ["CPU_EP_NAME", "Partition", "assignment_of", "partition_graph"]
+
+CPU_EP_NAME = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A group of nodes run by one EP (``ep is None``: the onnxruntime CPU fallback)."""
+
+    ep: Ep | None
+    nodes: tuple[int, ...]
+    meta_def: MetaDef
+
+    @property
+    def ep_name(self) -> str:
+        """The EP's name, or ``"CPUExecutionProvider"`` for the fallback."""
+        return CPU_EP_NAME if self.ep is None else self.ep.name
+
+
+class _Reach:
+    """Ancestor and descendant sets of every node, as int bitsets (computed once, lazily)."""
+
+    def __init__(self, graph: GraphView) -> None:
+        n = len(graph.nodes)
+        preds = [graph.predecessors(i) for i in range(n)]
+        self.anc = [0] * n
+        for i in range(n):  # nodes are in topological order
+            bits = 0
+            for p in preds[i]:
+                bits |= self.anc[p] | (1 << p)
+            self.anc[i] = bits
+        self.desc = [0] * n
+        succ: list[list[int]] = [[] for _ in range(n)]
+        for i, ps in enumerate(preds):
+            for p in ps:
+                succ[p].append(i)
+        for i in reversed(range(n)):
+            bits = 0
+            for s in succ[i]:
+                bits |= self.desc[s] | (1 << s)
+            self.desc[i] = bits
+
+    def path_nodes_outside(self, group: Sequence[int]) -> list[int]:
+        """Nodes outside ``group`` on a path that leaves the group and comes back."""
+        mask = 0
+        anc = desc = 0
+        for i in group:
+            mask |= 1 << i
+            anc |= self.anc[i]
+            desc |= self.desc[i]
+        bad = anc & desc & ~mask
+        return [i for i in range(bad.bit_length()) if bad >> i & 1]
+
+
+def _describe(graph: GraphView, indices: Sequence[int]) -> str:
+    parts = []
+    for i in list(indices)[:8]:
+        node = graph.nodes[i]
+        parts.append(f"{i} ({node.op_type}{' ' + repr(node.name) if node.name else ''})")
+    more = f" and {len(indices) - 8} more" if len(indices) > 8 else ""
+    return ", ".join(parts) + more
+
+
+def _check_meta_def(graph: GraphView, ep: Ep, group: Sequence[int], meta: MetaDef) -> None:
+    where = f"EP {ep.name!r}: fused group {meta.name!r} (nodes {list(group)})"
+    if not isinstance(meta, MetaDef):
+        raise InvalidArgument(f"{where}: meta_def must be an aioep.MetaDef, got {meta!r}")
+    b_in, b_out = graph.boundary(group)
+    produced = {o for i in group for o in graph.nodes[i].outputs if o}
+    for kind, names in (("inputs", meta.inputs), ("outputs", meta.outputs)):
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"{where}: meta_def {kind} {list(names)} repeat a name")
+    missing_in = [n for n in b_in if n not in meta.inputs]
+    if missing_in:
+        raise InvalidArgument(f"{where}: meta_def inputs lack values the group reads: {missing_in}")
+    bad_in = [n for n in meta.inputs if n in produced or graph.value_info(n) is None]
+    if bad_in:
+        raise InvalidArgument(
+            f"{where}: meta_def inputs {bad_in} are made inside the group or are not graph values"
+        )
+    missing_out = [n for n in b_out if n not in meta.outputs]
+    if missing_out:
+        raise InvalidArgument(
+            f"{where}: meta_def outputs lack values read outside the group: {missing_out}"
+        )
+    bad_out = [n for n in meta.outputs if n not in produced]
+    if bad_out:
+        raise InvalidArgument(f"{where}: meta_def outputs {bad_out} are not made by the group")
+
+
+def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
+    """Assign every node to exactly one EP (or the CPU fallback) and return the partitions
+    in an order in which they can run one after another.
+
+    Raises:
+        InvalidArgument: an EP's claim names a node that does not exist, overlaps an
+            earlier claim, is not convex, has a meta-def that does not match its nodes,
+            or the claims depend on each other in a cycle.
+    """
+    n = len(graph.nodes)
+    assigned: dict[int, str] = {}
+    claims: list[tuple[Ep, tuple[int, ...], MetaDef | None]] = []
+    reach: _Reach | None = None
+    for ep in eps:
+        view = graph._with_assigned(assigned)
+        result = ep.get_capability(view)
+        if not isinstance(result, (list, tuple)):
+            raise InvalidArgument(
+                f"EP {ep.name!r}: get_capability must return a list of IndexedSubGraph, "
+                f"got {type(result).__name__}"
+            )
+        for claim in result:
+            if not isinstance(claim, IndexedSubGraph):
+                raise InvalidArgument(
+                    f"EP {ep.name!r}: get_capability returned {claim!r}, not an IndexedSubGraph"
+                )
+            nodes = claim.nodes
+            if not nodes:
+                raise InvalidArgument(f"EP {ep.name!r} claimed an empty node group")
+            bad = [i for i in nodes if isinstance(i, bool) or not isinstance(i, int)]
+            if bad:
+                raise InvalidArgument(
+                    f"EP {ep.name!r} claimed node indices that are not ints: {bad}"
+                )
+            missing = sorted({i for i in nodes if not 0 <= i < n})
+            if missing:
+                raise InvalidArgument(
+                    f"EP {ep.name!r} claimed node(s) {missing} that do not exist "
+                    f"(the graph has {n} nodes)"
+                )
+            if len(set(nodes)) != len(nodes):
+                raise InvalidArgument(
+                    f"EP {ep.name!r} claimed node(s) twice in one group: {list(nodes)}"
+                )
+            taken = sorted(i for i in nodes if i in assigned)
+            if taken:
+                owners = sorted({assigned[i] for i in taken})
+                raise InvalidArgument(
+                    f"EP {ep.name!r} claimed node(s) {_describe(graph, taken)} that were already "
+                    f"claimed by {', '.join(repr(o) for o in owners)}"
+                )
+            group = tuple(sorted(nodes))
+            if len(group) > 1:
+                reach = reach or _Reach(graph)
+                outside = reach.path_nodes_outside(group)
+                if outside:
+                    raise InvalidArgument(
+                        f"EP {ep.name!r} claimed a non-convex group (nodes {list(group)}): a path "
+                        f"leaves it and comes back through node(s) {_describe(graph, outside)}"
+                    )
+            if claim.meta_def is not None:
+                _check_meta_def(graph, ep, group, claim.meta_def)
+            for i in group:
+                assigned[i] = ep.name
+            claims.append((ep, group, claim.meta_def))
+
+    # Units: each claim, and each unclaimed node on its own; order them, keeping CPU runs long.
+    unit_of = [-1] * n
+    for u, (_, group, _) in enumerate(claims):
+        for i in group:
+            unit_of[i] = u
+    units: list[tuple[int, ...]] = [g for _, g, _ in claims]
+    for i in range(n):
+        if unit_of[i] < 0:
+            unit_of[i] = len(units)
+            units.append((i,))
+    labels: list[object] = [u if u < len(claims) else None for u in range(len(units))]
+    preds = [{unit_of[p] for i in members for p in graph.predecessors(i)} for members in units]
+    try:
+        runs = _grouped_runs(preds, labels)
+    except ValueError as exc:
+        stuck = sorted({claims[u][0].name for u in exc.args[0] if u < len(claims)})
+        groups = [list(units[u]) for u in exc.args[0] if u < len(claims)]
+        raise InvalidArgument(
+            f"the claims of EP(s) {stuck} depend on each other in a cycle (groups {groups}); "
+            "no order can run them"
+        ) from None
+
+    partitions: list[Partition] = []
+    counters: dict[str, int] = {}
+    for label, run in runs:
+        if label is None:
+            nodes_run = [units[u][0] for u in run]
+            for comp in graph._components(nodes_run):
+                k = counters.get(CPU_EP_NAME, 0)
+                counters[CPU_EP_NAME] = k + 1
+                b_in, b_out = graph.boundary(comp)
+                partitions.append(Partition(None, comp, MetaDef(f"{CPU_EP_NAME}_{k}", b_in, b_out)))
+            continue
+        for u in run:
+            ep, group, meta = claims[u]
+            if meta is None:
+                k = counters.get(ep.name, 0)
+                counters[ep.name] = k + 1
+                b_in, b_out = graph.boundary(group)
+                meta = MetaDef(f"{ep.name}_{k}", b_in, b_out)
+            partitions.append(Partition(ep, group, meta))
+    return partitions
+
+
+def assignment_of(graph: GraphView, partitions: Sequence[Partition]) -> tuple[str, ...]:
+    """The EP name per node, in graph-view node order."""
+    names = [CPU_EP_NAME] * len(graph.nodes)
+    for p in partitions:
+        for i in p.nodes:
+            names[i] = p.ep_name
+    return tuple(names)

@@ -1,0 +1,626 @@
+"""Inference sessions: a model partitioned across EPs, run with awaitable, stream-ordered
+copies between the partitions.
+
+A run walks the partitions in order. Before a partition runs, each input that is not
+in the partition's memory is copied there through the environment's data transfers,
+on the stream of the device side of the copy; a stream that reads a value made on
+another stream first waits for it on the device. EP partitions are enqueued on the
+session's stream for their device; the CPU fallback (onnxruntime's CPU execution
+provider over the sub-models nobody claimed) runs in a worker thread once its
+inputs are on the host.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from ._device import EpDevice
+from ._ep import CompiledNode, Ep, FusedGroup
+from ._errors import ClosedError, DeviceError, EpError, InvalidArgument, NotImplementedByEp
+from ._graph import GraphView
+from ._host import HOST_EP_NAME
+from ._notification import Notification
+from ._partition import CPU_EP_NAME, Partition, assignment_of, partition_graph
+from ._stream import SyncStream
+from ._tensor import HOST_MEMORY_INFO, Tensor
+from ._types import DeviceType, MemoryDevice, MemoryInfo
+
+if TYPE_CHECKING:
+    from ._environment import Environment
+
+__all__ = ["Session", "create_session"]
+
+_OPTION_KEYS = ("ep_options", "intra_op_num_threads", "inter_op_num_threads")
+_LOCATIONS = ("device", "host")
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass
+class _Value:
+    """A value of one run: the tensor, and where its producer's work stands."""
+
+    tensor: Tensor
+    ready: Notification | None = None  # None: complete
+    stream: SyncStream | None = None
+
+
+@dataclass
+class _Step:
+    """One partition, ready to run."""
+
+    partition: Partition
+    memory: MemoryInfo
+    stream: SyncStream | None
+    constants: Mapping[str, Tensor]
+    inputs: tuple[str, ...] = ()  # the values gathered for it, in call order
+    compiled: CompiledNode | None = None
+    ort_session: Any = None
+    ort_outputs: tuple[str, ...] = ()
+
+
+async def create_session(
+    env: Environment,
+    model: str | os.PathLike[str] | Any,
+    ep_devices: Sequence[EpDevice] | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Session:
+    """Load, partition and compile ``model`` for the EPs of ``ep_devices`` (priority order).
+
+    ``ep_devices`` are grouped by factory, in order of first appearance; each group
+    gets one EP from ``factory.create_ep``. The host device needs no EP: what no EP
+    claims runs on onnxruntime's CPU execution provider. ``options``:
+    ``ep_options`` (EP name -> option mapping for ``create_ep``) and
+    ``intra_op_num_threads`` / ``inter_op_num_threads`` for the CPU fallback.
+    """
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(_OPTION_KEYS))
+    if unknown:
+        raise InvalidArgument(
+            f"create_session: unknown option(s) {unknown}; known: {list(_OPTION_KEYS)}"
+        )
+    ep_options = opts.get("ep_options") or {}
+    if not isinstance(ep_options, Mapping):
+        raise InvalidArgument(
+            f"create_session: ep_options must map EP names to option mappings, got {ep_options!r}"
+        )
+    groups: dict[int, list[EpDevice]] = {}
+    for dev in ep_devices or ():
+        if not isinstance(dev, EpDevice):
+            raise InvalidArgument(
+                f"create_session: ep_devices must be EpDevice objects, got {dev!r}"
+            )
+        env._library_of(dev)  # raises for a device of another environment
+        if dev.factory.name == HOST_EP_NAME:
+            continue  # the host CPU is served by the fallback
+        groups.setdefault(id(dev.factory), []).append(dev)
+
+    graph = await anyio.to_thread.run_sync(GraphView.from_model, model)
+    eps: list[Ep] = []
+    try:
+        for devs in groups.values():
+            factory = devs[0].factory
+            try:
+                ep = factory.create_ep(devs, ep_options.get(factory.name))
+            except EpError:
+                raise
+            except Exception as exc:
+                raise EpError(
+                    f"factory {factory.name!r} failed to create an EP: {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(ep, Ep):
+                raise InvalidArgument(
+                    f"factory {factory.name!r}.create_ep returned {ep!r}, not an aioep.Ep"
+                )
+            ep._bind(env, devs)
+            eps.append(ep)
+        if len({ep.name for ep in eps}) != len(eps):
+            raise InvalidArgument(f"create_session: two EPs share a name: {[e.name for e in eps]}")
+        session = Session._create(env, graph, eps)
+        await session._prepare(opts)
+    except BaseException:
+        for ep in eps:
+            ep.release()
+        raise
+    return session
+
+
+class Session:
+    """A model partitioned across execution providers; create it with
+    ``await env.create_session(model, ep_devices=[...])``.
+
+    ``await session.run(inputs)`` returns a dict of output name -> :class:`Tensor`.
+    Runs from many tasks may overlap: each run keeps its own state. ``async with``
+    (or :meth:`aclose`) closes the session's streams and releases its EPs.
+    """
+
+    __slots__ = (
+        "_active",
+        "_env",
+        "_eps",
+        "_idle",
+        "_state",
+        "_steps",
+        "_streams",
+        "assignment",
+        "graph",
+    )
+
+    _env: Environment
+    _eps: list[Ep]
+    _steps: list[_Step]
+    _streams: dict[str, SyncStream]
+    _state: _State
+    _active: int
+    _idle: anyio.Event | None
+    assignment: tuple[str, ...]
+    """The EP name per node, in the graph view's node order."""
+    graph: GraphView
+    """The model's graph view."""
+
+    def __init__(self) -> None:
+        raise TypeError("use 'await env.create_session(model, ep_devices=[...])'")
+
+    @classmethod
+    def _create(cls, env: Environment, graph: GraphView, eps: list[Ep]) -> Session:
+        self = object.__new__(cls)
+        self._env = env
+        self.graph = graph
+        self._eps = eps
+        self._steps = []
+        self._streams = {}
+        self._state = _State.OPEN
+        self._active = 0
+        self._idle = None
+        self.assignment = ()
+        return self
+
+    async def _prepare(self, opts: Mapping[str, Any]) -> None:
+        env, graph = self._env, self.graph
+        try:
+            partitions = partition_graph(graph, self._eps)
+            self.assignment = assignment_of(graph, partitions)
+            steps: list[_Step] = []
+            by_ep: dict[str, list[_Step]] = {}
+            uploads: dict[tuple[str, MemoryDevice], Tensor] = {}
+            for part in partitions:
+                if part.ep is None:
+                    feeds = tuple(n for n in part.meta_def.inputs if n not in graph.initializers)
+                    steps.append(_Step(part, HOST_MEMORY_INFO, None, {}, feeds))
+                    continue
+                ep = part.ep
+                stream = self._streams.get(ep.name)
+                if stream is None and ep.ep_devices[0].factory.is_stream_aware():
+                    stream = env.create_sync_stream(ep.ep_devices[0])
+                    self._streams[ep.name] = stream
+                memory = ep.memory_info
+                constants: dict[str, Tensor] = {}
+                for name in part.meta_def.inputs:
+                    init = graph.initializers.get(name)
+                    if init is None:
+                        continue
+                    key = (name, memory.device)
+                    if key not in uploads:
+                        uploads[key] = await self._upload(init.numpy(), memory, stream)
+                    constants[name] = uploads[key]
+                step = _Step(
+                    part, memory, stream, MappingProxyType(constants), part.meta_def.inputs
+                )
+                steps.append(step)
+                by_ep.setdefault(ep.name, []).append(step)
+            for ep in self._eps:
+                ep_steps = by_ep.get(ep.name, [])
+                if not ep_steps:
+                    continue
+                fused = [
+                    FusedGroup(
+                        s.partition.meta_def,
+                        tuple(graph.nodes[i] for i in s.partition.nodes),
+                        graph,
+                    )
+                    for s in ep_steps
+                ]
+                compiled = ep.compile(fused)
+                if len(compiled) != len(fused):
+                    raise InvalidArgument(
+                        f"EP {ep.name!r}: compile returned {len(compiled)} node(s) for "
+                        f"{len(fused)} group(s)"
+                    )
+                for s, c in zip(ep_steps, compiled):
+                    if not isinstance(c, CompiledNode):
+                        raise InvalidArgument(
+                            f"EP {ep.name!r}: compile returned {c!r}, not an aioep.CompiledNode"
+                        )
+                    s.compiled = c
+            cpu_steps = [s for s in steps if s.partition.ep is None]
+            if cpu_steps:
+                whole = len(cpu_steps) == 1 and len(cpu_steps[0].partition.nodes) == len(
+                    graph.nodes
+                )
+                await anyio.to_thread.run_sync(_make_ort_sessions, graph, cpu_steps, opts, whole)
+            self._steps = steps
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _upload(
+        self, array: npt.NDArray[Any], memory: MemoryInfo, stream: SyncStream | None
+    ) -> Tensor:
+        if memory.device.device_type is DeviceType.CPU:
+            return Tensor.from_numpy(np.ascontiguousarray(array))
+        dst = self._env.empty(array.shape, array.dtype, memory, stream=stream)
+        await self._env.copy_tensors([np.ascontiguousarray(array)], [dst], stream)
+        return dst
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Names of the model inputs (initializers excluded)."""
+        return tuple(i.name for i in self.graph.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Names of the model outputs."""
+        return self.graph.output_names
+
+    @property
+    def streams(self) -> Mapping[str, SyncStream]:
+        """EP name -> the stream the session created for it (stream-aware EPs only)."""
+        return MappingProxyType(dict(self._streams))
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`aclose`."""
+        return self._state is _State.CLOSED
+
+    async def run(
+        self,
+        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        stream: SyncStream | None = None,
+        *,
+        output_location: str = "device",
+    ) -> dict[str, Tensor]:
+        """Run the model and return output name -> tensor.
+
+        ``inputs`` maps every model input to a host array or a tensor on any device.
+        Outputs stay where the producing EP put them; ``output_location="host"``
+        copies them to host memory. Without ``stream`` the call returns when all
+        the run's work is complete. With ``stream`` (a stream of one of the
+        session's EP devices) that EP's work and copies go on it, the inputs may
+        still be in flight on it, and the call returns once everything is enqueued:
+        the outputs are valid for work enqueued later on ``stream`` (host outputs
+        are always complete). Cancelling the call abandons the wait, never
+        work already enqueued.
+        """
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"{self!r} is closed")
+        if output_location not in _LOCATIONS:
+            raise InvalidArgument(
+                f"run: output_location must be 'device' or 'host', got {output_location!r}"
+            )
+        streams = self._streams
+        user_ready: Notification | None = None
+        if stream is not None:
+            if not isinstance(stream, SyncStream):
+                raise InvalidArgument(f"run: stream must be an aioep.SyncStream, got {stream!r}")
+            owner = next(
+                (
+                    ep.name
+                    for ep in self._eps
+                    if stream.ep_device.factory is ep.ep_devices[0].factory
+                ),
+                None,
+            )
+            if owner is None:
+                raise InvalidArgument(
+                    f"run: {stream!r} is not on a device of this session's EPs "
+                    f"{[ep.name for ep in self._eps]}"
+                )
+            streams = {**streams, owner: stream}
+            user_ready = stream.record()
+        values = self._bind_inputs(inputs, user_ready, stream)
+        self._active += 1
+        try:
+            return await self._run(values, streams, stream, output_location)
+        finally:
+            self._active -= 1
+            if self._active == 0 and self._idle is not None:
+                self._idle.set()
+
+    async def _run(
+        self,
+        values: dict[str, _Value],
+        streams: Mapping[str, SyncStream],
+        user_stream: SyncStream | None,
+        output_location: str,
+    ) -> dict[str, Tensor]:
+        env = self._env
+        placed: dict[tuple[str, MemoryDevice], _Value] = {}
+        tails: dict[SyncStream, Notification] = {}
+        for step in self._steps:
+            part = step.partition
+            target = step.stream
+            if part.ep is not None and target is not None:
+                target = streams.get(part.ep.name, target)
+            args = await self._gather(step, target, values, placed)
+            if part.ep is None:
+                arrays = {n: t.numpy() for n, t in zip(step.inputs, args)}
+                results = await anyio.to_thread.run_sync(_run_ort, step.ort_session, arrays)
+                for name, array in zip(step.ort_outputs, results):
+                    values[name] = _Value(Tensor.from_numpy(np.ascontiguousarray(array)))
+                continue
+            assert step.compiled is not None
+            try:
+                outs = await step.compiled(args, target)
+            except EpError:
+                raise
+            except Exception as exc:
+                raise DeviceError(
+                    f"EP {part.ep.name!r} failed running {part.meta_def.name!r}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if len(outs) != len(part.meta_def.outputs) or not all(
+                isinstance(t, Tensor) for t in outs
+            ):
+                raise EpError(
+                    f"EP {part.ep.name!r}: {part.meta_def.name!r} returned {len(outs)} value(s); "
+                    f"expected {len(part.meta_def.outputs)} aioep.Tensor(s) "
+                    f"{list(part.meta_def.outputs)}"
+                )
+            ready = None
+            if target is not None:
+                ready = target.record()
+                tails[target] = ready
+            for name, t in zip(part.meta_def.outputs, outs):
+                values[name] = _Value(t, ready, target)
+
+        result: dict[str, Tensor] = {}
+        to_host: list[tuple[str, _Value]] = []
+        for name in self.output_names:
+            value = values.get(name)
+            if value is None:
+                raise EpError(f"{self!r}: no partition produced the graph output {name!r}")
+            if output_location == "host" and not value.tensor.is_host_accessible:
+                to_host.append((name, value))
+            else:
+                result[name] = value.tensor
+        waits: list[Any] = []
+        by_stream: dict[SyncStream | None, list[tuple[str, _Value]]] = {}
+        for name, value in to_host:
+            by_stream.setdefault(value.stream, []).append((name, value))
+        for s, items in by_stream.items():
+            dsts = [np.empty(v.tensor.shape, v.tensor.dtype) for _, v in items]
+            waits.append(env.copy_tensors([v.tensor for _, v in items], dsts, s))
+            for (name, _), dst in zip(items, dsts):
+                result[name] = Tensor.from_numpy(dst)
+        for fut in waits:
+            await fut
+        if user_stream is None:
+            for note in tails.values():
+                await note
+        else:
+            for s, note in tails.items():
+                if s is not user_stream:
+                    user_stream.wait(note)
+            for name in list(result):
+                value = values[name]
+                if value.stream is None and value.ready is not None:
+                    await value.ready
+            if tails:
+                # Keep the run's tensors alive until every stream has passed this run's work.
+                keep: list[Any] = [values, placed]
+                last = user_stream.record()
+                last.impl.add_done_callback(keep.clear)
+        return {name: result[name] for name in self.output_names}
+
+    def _bind_inputs(
+        self,
+        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        ready: Notification | None,
+        stream: SyncStream | None,
+    ) -> dict[str, _Value]:
+        if not isinstance(inputs, Mapping):
+            raise InvalidArgument(
+                f"run: inputs must map input names to arrays or tensors, got {type(inputs).__name__}"
+            )
+        known = self.graph.inputs
+        unknown = sorted(set(inputs) - {i.name for i in known})
+        if unknown:
+            raise InvalidArgument(
+                f"run: unknown input name(s) {unknown}; the model's inputs are "
+                f"{list(self.input_names)}"
+            )
+        values: dict[str, _Value] = {}
+        for info in known:
+            if info.name not in inputs:
+                raise InvalidArgument(
+                    f"run: missing input {info.name!r} (model inputs: {list(self.input_names)})"
+                )
+            given = inputs[info.name]
+            if isinstance(given, Tensor):
+                tensor = given
+                value = _Value(tensor, ready, stream if ready is not None else None)
+            else:
+                array = np.ascontiguousarray(given)
+                tensor = Tensor.from_numpy(array)
+                value = _Value(tensor)
+            want = info.dtype
+            if want is not None and tensor.dtype != want:
+                raise InvalidArgument(
+                    f"run: input {info.name!r} has dtype {tensor.dtype}, the model expects {want}"
+                )
+            if info.shape is not None:
+                ok = len(info.shape) == tensor.ndim and all(
+                    not isinstance(d, int) or d == s for d, s in zip(info.shape, tensor.shape)
+                )
+                if not ok:
+                    raise InvalidArgument(
+                        f"run: input {info.name!r} has shape {tensor.shape}, the model expects "
+                        f"{list(info.shape)}"
+                    )
+            values[info.name] = value
+        return values
+
+    async def _gather(
+        self,
+        step: _Step,
+        target: SyncStream | None,
+        values: dict[str, _Value],
+        placed: dict[tuple[str, MemoryDevice], _Value],
+    ) -> list[Tensor]:
+        """The step's input tensors in its memory, copying (and ordering) what is elsewhere."""
+        device = step.memory.device
+        args: list[Tensor | None] = []
+        copies: dict[SyncStream | None, list[tuple[int, str, _Value, Tensor]]] = {}
+        for name in step.inputs:
+            const = step.constants.get(name)
+            if const is not None:
+                args.append(const)
+                continue
+            value = placed.get((name, device)) or values.get(name)
+            if value is None:
+                raise EpError(f"{self!r}: value {name!r} was not produced before it is read")
+            if _same_memory(value.tensor.device, device):
+                await _order(value, target)
+                args.append(value.tensor)
+                continue
+            # Copy on the device side's stream: the consumer's, else the producer's.
+            copy_stream = target if target is not None else value.stream
+            if copy_stream is not None and copy_stream is not value.stream and value.ready:
+                copy_stream.wait(value.ready)
+            elif copy_stream is None and value.ready is not None:
+                await value.ready
+            t = value.tensor
+            if device.device_type is DeviceType.CPU:
+                dst = Tensor.from_numpy(np.empty(t.shape, t.dtype))
+            else:
+                dst = self._env.empty(t.shape, t.dtype, step.memory, stream=target)
+            copies.setdefault(copy_stream, []).append((len(args), name, value, dst))
+            args.append(dst)
+        for copy_stream, items in copies.items():
+            fut = self._env.copy_tensors(
+                [v.tensor for _, _, v, _ in items], [d for *_, d in items], copy_stream
+            )
+            if copy_stream is not None and copy_stream is target:
+                # Ordered on the consumer's own stream; others wait for the copy's notification.
+                note: Notification | None = fut.notification
+            else:
+                await fut
+                note = None
+            for _, name, _, dst in items:
+                placed[(name, device)] = _Value(dst, note, target if note is not None else None)
+        return [a for a in args if a is not None]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Wait for runs in flight, then close the session's streams and release its EPs;
+        idempotent and shielded from cancellation."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        with anyio.CancelScope(shield=True):
+            if self._active:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+            for stream in self._streams.values():
+                await stream.aclose()
+            self._streams.clear()
+            for step in self._steps:
+                if step.compiled is not None:
+                    step.compiled.release()
+                step.ort_session = None
+            self._steps = []
+            for ep in self._eps:
+                ep.release()
+
+    async def __aenter__(self) -> Session:
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"{self!r} is closed")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        eps = sorted(set(self.assignment)) or [CPU_EP_NAME]
+        return f"<Session {self._state.value} nodes={len(self.graph.nodes)} eps={eps}>"
+
+
+async def _order(value: _Value, target: SyncStream | None) -> None:
+    """Make ``target`` (or the host, for None) see ``value`` complete."""
+    if value.ready is None or value.stream is target:
+        return
+    if target is not None:
+        target.wait(value.ready)
+    else:
+        await value.ready
+
+
+def _same_memory(a: MemoryDevice, b: MemoryDevice) -> bool:
+    # A CPU reader reads any host-accessible memory (host RAM, pinned memory) in place.
+    return a == b or (b.device_type is DeviceType.CPU and a.is_host_accessible)
+
+
+def _run_ort(session: Any, feeds: dict[str, npt.NDArray[Any]]) -> list[Any]:
+    try:
+        return list(session.run(None, feeds))
+    except Exception as exc:
+        raise DeviceError(f"onnxruntime CPU fallback failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _make_ort_sessions(
+    graph: GraphView, steps: Sequence[_Step], opts: Mapping[str, Any], whole: bool
+) -> None:
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise NotImplementedByEp(
+            "the CPU fallback needs onnxruntime: pip install 'aioep[onnx]'"
+        ) from exc
+    so = ort.SessionOptions()
+    for key in ("intra_op_num_threads", "inter_op_num_threads"):
+        if opts.get(key) is not None:
+            setattr(so, key, int(opts[key]))
+    for step in steps:
+        meta = step.partition.meta_def
+        if whole:
+            source: Any = (
+                os.fspath(graph.model_path)
+                if graph.model_path is not None
+                else graph.model.SerializeToString()
+            )
+            step.inputs = tuple(i.name for i in graph.inputs)
+        else:
+            sub = graph.extract_model(step.partition.nodes, meta.inputs, meta.outputs)
+            source = sub.SerializeToString()
+        outputs = meta.outputs
+        try:
+            sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise EpError(
+                f"onnxruntime could not load the CPU fallback part {meta.name!r} "
+                f"(nodes {list(step.partition.nodes)}): {type(exc).__name__}: {exc}"
+            ) from exc
+        step.ort_session = sess
+        step.ort_outputs = tuple(o.name for o in sess.get_outputs())
+        missing = [o for o in outputs if o not in step.ort_outputs]
+        if missing:
+            raise EpError(f"CPU fallback part {meta.name!r} does not produce {missing}")

@@ -1,0 +1,491 @@
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto as TP  # noqa: E402
+from onnx import helper as h  # noqa: E402
+
+import aioep  # noqa: E402
+from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
+from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
+from aioep._graph import GraphView  # noqa: E402
+from aioep._host import HostAllocator  # noqa: E402
+from aioep._tensor import HOST_MEMORY_INFO  # noqa: E402
+from aioep.abc import EpFactory  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+CPU = "CPUExecutionProvider"
+
+# -- a host-memory test EP -------------------------------------------------------------------
+_OPS: dict[str, Callable[..., Any]] = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Relu": lambda x: np.maximum(x, 0),
+    "MatMul": np.matmul,
+    "Tanh": np.tanh,
+}
+
+Claim = Callable[[GraphView], list[IndexedSubGraph]]
+
+
+class _HostKernel(CompiledNode):
+    def __init__(self, ep: HostTestEp, group: FusedGroup) -> None:
+        self.ep, self.group = ep, group
+
+    async def __call__(self, inputs: Sequence[Tensor], stream: Any) -> list[Tensor]:
+        assert stream is None
+        meta = self.group.meta_def
+        env = {n: t.numpy() for n, t in zip(meta.inputs, inputs)}
+        await anyio.lowlevel.checkpoint()  # let other runs interleave
+        for node in self.group.nodes:
+            env[node.outputs[0]] = _OPS[node.op_type](*(env[n] for n in node.inputs))
+        outs = []
+        for name in meta.outputs:
+            value = np.asarray(env[name])
+            out = self.ep.allocate(value.shape, value.dtype)
+            out.numpy()[...] = value
+            outs.append(out)
+        self.ep.calls += 1
+        return outs
+
+
+class HostTestEp(Ep):
+    def __init__(self, name: str, claim: Claim) -> None:
+        super().__init__()
+        self.name = name
+        self.claim = claim
+        self.calls = 0
+        self.compiled: list[FusedGroup] = []
+        self.released = False
+
+    def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
+        return self.claim(graph)
+
+    def compile(self, fused_groups: Sequence[FusedGroup]) -> list[CompiledNode]:
+        self.compiled.extend(fused_groups)
+        return [_HostKernel(self, g) for g in fused_groups]
+
+    def release(self) -> None:
+        self.released = True
+
+
+class HostTestFactory(EpFactory):
+    vendor = "tests"
+
+    def __init__(self, name: str, claim: Claim) -> None:
+        self.name = name
+        self.claim = claim
+        self.eps: list[HostTestEp] = []
+
+    def get_supported_devices(
+        self, hardware: Sequence[aioep.HardwareDevice]
+    ) -> list[aioep.EpDevice]:
+        cpu = next(hw for hw in hardware if hw.type is DeviceType.CPU)
+        return [aioep.EpDevice(self, cpu, memory_infos={MemoryType.DEFAULT: HOST_MEMORY_INFO})]
+
+    def create_allocator(self, memory_info: aioep.MemoryInfo, options: Any) -> aioep.Allocator:
+        return HostAllocator(memory_info)
+
+    def create_ep(self, ep_devices: Any, options: Any) -> Ep:
+        ep = HostTestEp(self.name, self.claim)
+        self.eps.append(ep)
+        return ep
+
+
+def claim_ops(*ops: str, fuse: bool = True) -> Claim:
+    def claim(graph: GraphView) -> list[IndexedSubGraph]:
+        nodes = [i for i in graph.unassigned_nodes if graph.nodes[i].op_type in ops]
+        if not fuse:
+            return [IndexedSubGraph((i,)) for i in nodes]
+        return [
+            IndexedSubGraph(g, MetaDef(f"test_{k}", *graph.boundary(g)))
+            for k, g in enumerate(graph.convex_groups(nodes))
+        ]
+
+    return claim
+
+
+def claim_fixed(*groups: Sequence[int]) -> Claim:
+    return lambda graph: [IndexedSubGraph(tuple(g)) for g in groups]
+
+
+@contextlib.asynccontextmanager
+async def environment(
+    **factories: Claim,
+) -> AsyncIterator[tuple[aioep.Environment, dict[str, Any]]]:
+    async with aioep.Environment(autoload=False) as env:
+        devices: dict[str, Any] = {}
+        for name, claim in factories.items():
+            (devices[name],) = env.register_library(name, HostTestFactory(name, claim))
+        yield env, devices
+
+
+# -- models ----------------------------------------------------------------------------------
+def _vi(name: str, shape: Any, elem: int = TP.FLOAT) -> Any:
+    return h.make_tensor_value_info(name, elem, shape)
+
+
+def _model(
+    nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: Sequence[Any] = ()
+) -> Any:
+    graph = h.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def chain(dtype: Any = np.float32) -> Any:
+    """add(x,w) -> exp -> mul(.,x) -> sigmoid -> sub(., x) -> relu: ops alternate claimable/not."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    w = onnx.numpy_helper.from_array(np.linspace(-1, 1, 12).reshape(3, 4).astype(dtype), "w")
+    nodes = [
+        h.make_node("Add", ["x", "w"], ["a"]),
+        h.make_node("Exp", ["a"], ["b"]),
+        h.make_node("Mul", ["b", "x"], ["c"]),
+        h.make_node("Sigmoid", ["c"], ["d"]),
+        h.make_node("Sub", ["d", "x"], ["e"]),
+        h.make_node("Relu", ["e"], ["y"]),
+    ]
+    return _model(
+        nodes, [_vi("x", [3, 4], elem)], [_vi("y", [3, 4], elem), _vi("c", [3, 4], elem)], [w]
+    )
+
+
+def mlp(dtype: Any = np.float32, hidden: int = 16) -> Any:
+    """MatMul -> Add -> Relu -> Gemm -> Tanh -> MatMul, with an Exp side output."""
+    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    rng = np.random.default_rng(42)
+    w1 = onnx.numpy_helper.from_array(rng.standard_normal((8, hidden)).astype(dtype), "w1")
+    b1 = onnx.numpy_helper.from_array(rng.standard_normal(hidden).astype(dtype), "b1")
+    w2 = onnx.numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(dtype), "w2")
+    b2 = onnx.numpy_helper.from_array(rng.standard_normal(hidden).astype(dtype), "b2")
+    w3 = onnx.numpy_helper.from_array(rng.standard_normal((hidden, 4)).astype(dtype), "w3")
+    nodes = [
+        h.make_node("MatMul", ["x", "w1"], ["h1"]),
+        h.make_node("Add", ["h1", "b1"], ["h2"]),
+        h.make_node("Relu", ["h2"], ["h3"]),
+        h.make_node("Gemm", ["h3", "w2", "b2"], ["h4"], transB=1, alpha=0.5),
+        h.make_node("Tanh", ["h4"], ["h5"]),
+        h.make_node("MatMul", ["h5", "w3"], ["y"]),
+        h.make_node("Exp", ["h3"], ["side"]),
+    ]
+    return _model(
+        nodes,
+        [_vi("x", ["N", 8], elem)],
+        [_vi("y", ["N", 4], elem), _vi("side", ["N", hidden], elem)],
+        [w1, b1, w2, b2, w3],
+    )
+
+
+def reference(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def assert_matches(
+    outputs: dict[str, Tensor], expected: dict[str, np.ndarray], rtol: float = 1e-5
+) -> None:
+    assert set(outputs) == set(expected)
+    for name, want in expected.items():
+        got = outputs[name].numpy()
+        assert got.dtype == want.dtype, name
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol, err_msg=name)
+
+
+# -- partitioning ----------------------------------------------------------------------------
+async def test_all_claimed() -> None:
+    async with environment(ep=claim_ops("Add", "Mul", "Relu")) as (env, devs):
+        nodes = [
+            h.make_node("Add", ["x", "x"], ["a"]),
+            h.make_node("Mul", ["a", "x"], ["b"]),
+            h.make_node("Relu", ["b"], ["y"]),
+        ]
+        model = _model(nodes, [_vi("x", [5])], [_vi("y", [5])])
+        async with await env.create_session(model, [devs["ep"]]) as sess:
+            assert sess.assignment == ("ep", "ep", "ep")
+            ep = env.ep_devices(ep_name="ep")[0].factory.eps[0]
+            assert len(ep.compiled) == 1
+            assert ep.compiled[0].meta_def.name == "test_0"
+            x = np.linspace(-2, 2, 5, dtype=np.float32)
+            out = await sess.run({"x": x})
+            np.testing.assert_allclose(out["y"].numpy(), np.maximum((x + x) * x, 0))
+            del out  # EP outputs hold allocator buffers
+        assert ep.released
+
+
+async def test_none_claimed() -> None:
+    async with environment(ep=claim_ops()) as (env, devs):
+        sess = await env.create_session(chain(), [devs["ep"]])
+        assert sess.assignment == (CPU,) * 6
+        x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+        assert_matches(await sess.run({"x": x}), reference(chain(), {"x": x}))
+        await sess.aclose()
+
+
+async def test_interleaved_claims_split_the_cpu_fallback() -> None:
+    async with environment(ep=claim_ops("Add", "Mul", "Sub", "Relu")) as (env, devs):
+        sess = await env.create_session(chain(), [devs["ep"]])
+        assert sess.assignment == ("ep", CPU, "ep", CPU, "ep", "ep")
+        ep = devs["ep"].factory.eps[0]
+        assert [g.meta_def.inputs for g in ep.compiled] == [("x", "w"), ("b", "x"), ("d", "x")]
+        x = np.random.default_rng(2).standard_normal((3, 4)).astype(np.float32)
+        assert_matches(await sess.run({"x": x}), reference(chain(), {"x": x}))
+        assert ep.calls == 3
+        await sess.aclose()
+
+
+async def test_priority_order_and_single_node_claims() -> None:
+    async with environment(
+        first=claim_ops("Add", fuse=False), second=claim_ops("Add", "Mul", "Sub", fuse=False)
+    ) as (env, devs):
+        sess = await env.create_session(chain(), [devs["first"], devs["second"]])
+        assert sess.assignment == ("first", CPU, "second", CPU, "second", CPU)
+        x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+        assert_matches(await sess.run({"x": x}), reference(chain(), {"x": x}))
+        await sess.aclose()
+        # Reversed priority: "second" takes the Add too.
+        sess = await env.create_session(chain(), [devs["second"], devs["first"]])
+        assert sess.assignment == ("second", CPU, "second", CPU, "second", CPU)
+        await sess.aclose()
+
+
+@pytest.mark.parametrize(
+    ("claims", "match"),
+    [
+        (
+            [[0, 1], [1, 2]],
+            r"EP 'ep' claimed node\(s\) 1 \(Exp\) that were already claimed by 'ep'",
+        ),
+        ([[0, 99]], r"EP 'ep' claimed node\(s\) \[99\] that do not exist"),
+        ([[-1]], r"EP 'ep' claimed node\(s\) \[-1\] that do not exist"),
+        ([[0, 2]], r"EP 'ep' claimed a non-convex group \(nodes \[0, 2\]\).*node\(s\) 1 \(Exp\)"),
+        ([[]], "empty node group"),
+        ([[1, 1]], "twice"),
+    ],
+)
+async def test_bad_claims_are_invalid_argument(claims: list[list[int]], match: str) -> None:
+    async with environment(ep=claim_fixed(*claims)) as (env, devs):
+        with pytest.raises(InvalidArgument, match=match):
+            await env.create_session(chain(), [devs["ep"]])
+        assert not env._open_streams()
+
+
+async def test_claim_overlapping_a_higher_priority_ep() -> None:
+    async with environment(a=claim_fixed([0]), b=claim_fixed([0, 1, 2])) as (env, devs):
+        with pytest.raises(
+            InvalidArgument,
+            match=r"EP 'b' claimed node\(s\) 0 \(Add\) that were already claimed by 'a'",
+        ):
+            await env.create_session(chain(), [devs["a"], devs["b"]])
+
+
+async def test_bad_meta_def_and_cyclic_claims() -> None:
+    def bad_meta(graph: GraphView) -> list[IndexedSubGraph]:
+        return [IndexedSubGraph((0, 1), MetaDef("m", ("x",), ("b",)))]
+
+    async with environment(ep=bad_meta) as (env, devs):
+        with pytest.raises(
+            InvalidArgument, match=r"meta_def inputs lack values the group reads: \['w'\]"
+        ):
+            await env.create_session(chain(), [devs["ep"]])
+    # a1 -> b1, b2 -> c1, c2 -> a2: each group convex, together a cycle.
+    nodes = [
+        h.make_node("Relu", ["x"], ["a1"]),
+        h.make_node("Neg", ["a1"], ["b1"]),
+        h.make_node("Relu", ["x"], ["b2"]),
+        h.make_node("Neg", ["b2"], ["c1"]),
+        h.make_node("Relu", ["x"], ["c2"]),
+        h.make_node("Neg", ["c2"], ["a2"]),
+    ]
+    model = _model(nodes, [_vi("x", [2])], [_vi(n, [2]) for n in ("b1", "c1", "a2")])
+    async with environment(ep=claim_fixed([0, 5], [1, 2], [3, 4])) as (env, devs):
+        with pytest.raises(InvalidArgument, match="cycle"):
+            await env.create_session(model, [devs["ep"]])
+
+
+# -- numerics --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+async def test_matches_onnxruntime(dtype: Any) -> None:
+    async with environment(ep=claim_ops("MatMul", "Add", "Relu", "Tanh")) as (env, devs):
+        for model, shapes in ((chain(dtype), [(3, 4)]), (mlp(dtype), [(1, 8), (5, 8)])):
+            sess = await env.create_session(model, [devs["ep"]])
+            assert CPU in sess.assignment
+            assert "ep" in sess.assignment
+            rng = np.random.default_rng(7)
+            for shape in shapes:
+                x = rng.standard_normal(shape).astype(dtype)
+                assert_matches(await sess.run({"x": x}), reference(model, {"x": x}))
+            await sess.aclose()
+
+
+async def test_model_from_path_and_host_device(tmp_path: Any) -> None:
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp(), path)
+    async with aioep.Environment(autoload=False) as env:
+        host = env.ep_devices(device_type=DeviceType.CPU)[0]
+        async with await env.create_session(path, [host], {"intra_op_num_threads": 1}) as sess:
+            assert sess.assignment == (CPU,) * 7
+            x = np.ones((2, 8), np.float32)
+            assert_matches(await sess.run({"x": x}), reference(mlp(), {"x": x}))
+
+
+# -- concurrency -----------------------------------------------------------------------------
+async def test_100_concurrent_runs() -> None:
+    async with environment(ep=claim_ops("Add", "Mul", "Sub", "Relu")) as (env, devs):
+        model = chain()
+        sess = await env.create_session(model, [devs["ep"]])
+        rng = np.random.default_rng(9)
+        xs = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(100)]
+        results: list[Any] = [None] * 100
+
+        async def one(i: int) -> None:
+            results[i] = await sess.run({"x": xs[i]})
+
+        async with anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(one, i)
+        ref = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+        for x, out in zip(xs, results):
+            y, c = ref.run(None, {"x": x})
+            np.testing.assert_allclose(out["y"].numpy(), y, rtol=1e-6)
+            np.testing.assert_allclose(out["c"].numpy(), c, rtol=1e-6)
+        results.clear()
+        del out
+        await sess.aclose()
+
+
+# -- API errors and lifecycle ----------------------------------------------------------------
+async def test_run_argument_errors_and_close() -> None:
+    async with environment(ep=claim_ops("Add")) as (env, devs):
+        sess = await env.create_session(chain(), [devs["ep"]])
+        x = np.zeros((3, 4), np.float32)
+        with pytest.raises(InvalidArgument, match="missing input 'x'"):
+            await sess.run({})
+        with pytest.raises(InvalidArgument, match=r"unknown input name\(s\) \['z'\]"):
+            await sess.run({"x": x, "z": x})
+        with pytest.raises(InvalidArgument, match="dtype float64"):
+            await sess.run({"x": x.astype(np.float64)})
+        with pytest.raises(InvalidArgument, match="shape"):
+            await sess.run({"x": np.zeros((2, 4), np.float32)})
+        with pytest.raises(InvalidArgument, match="output_location"):
+            await sess.run({"x": x}, output_location="gpu")
+        out = await sess.run({"x": Tensor.from_numpy(x)}, output_location="host")
+        assert out["y"].is_host_accessible
+        await sess.aclose()
+        await sess.aclose()
+        assert sess.closed
+        with pytest.raises(ClosedError):
+            await sess.run({"x": x})
+        with pytest.raises(InvalidArgument, match="unknown option"):
+            await env.create_session(chain(), [devs["ep"]], {"bogus": 1})
+        with pytest.raises(aioep.NoSuchFile):
+            await env.create_session("/nonexistent/model.onnx")
+
+
+async def test_factory_without_eps_is_not_implemented() -> None:
+    class NoEp(HostTestFactory):
+        def create_ep(self, ep_devices: Any, options: Any) -> Ep:
+            return EpFactory.create_ep(self, ep_devices, options)
+
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("noep", NoEp("noep", claim_ops()))
+        with pytest.raises(aioep.NotImplementedByEp, match="cannot create an EP"):
+            await env.create_session(chain(), [dev])
+
+
+# -- the sim backend -------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def sim_environment(**options: Any) -> AsyncIterator[tuple[aioep.Environment, Any]]:
+    pytest.importorskip("aioep_sim")
+    async with aioep.Environment(autoload=False) as env:
+        devices = env.register_library("sim", "aioep_sim:SimFactory", options or None)
+        yield env, devices
+
+
+async def test_sim_ep_fuses_and_keeps_outputs_on_device() -> None:
+    async with sim_environment() as (env, sims):
+        model = mlp()
+        async with await env.create_session(model, [sims[0]]) as sess:
+            sim = "SimExecutionProvider"
+            assert sess.assignment == (sim, sim, sim, sim, sim, sim, CPU)
+            x = np.random.default_rng(5).standard_normal((6, 8)).astype(np.float32)
+            out = await sess.run({"x": x})
+            assert not out["y"].is_host_accessible  # stays in sim device memory
+            assert out["side"].is_host_accessible  # made by the CPU fallback
+            with pytest.raises(InvalidArgument, match="device memory"):
+                out["y"].numpy()
+            host = np.empty((6, 4), np.float32)
+            await aioep.copy_tensors([out["y"]], [host])
+            want = reference(model, {"x": x})
+            np.testing.assert_allclose(host, want["y"], rtol=1e-5, atol=1e-5)
+            assert_matches(await sess.run({"x": x}, output_location="host"), want)
+            del out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+async def test_sim_interleaved_matches_onnxruntime(dtype: Any) -> None:
+    async with sim_environment(latency_us=20) as (env, sims):
+        model = chain(dtype)
+        sess = await env.create_session(model, [sims[0]])
+        sim = "SimExecutionProvider"
+        assert sess.assignment == (sim, CPU, sim, sim, sim, sim)
+        x = np.random.default_rng(11).standard_normal((3, 4)).astype(dtype)
+        assert_matches(await sess.run({"x": x}, output_location="host"), reference(model, {"x": x}))
+        await sess.aclose()
+        assert not env._open_streams()
+
+
+async def test_sim_device_inputs_user_stream_and_concurrency() -> None:
+    async with sim_environment(latency_us=10) as (env, sims):
+        model = chain()
+        sess = await env.create_session(model, [sims[0]])
+        ref = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+        rng = np.random.default_rng(13)
+        xs = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(100)]
+        results: list[Any] = [None] * 100
+
+        async def one(i: int) -> None:
+            results[i] = await sess.run({"x": xs[i]}, output_location="host")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(one, i)
+        for x, out in zip(xs, results):
+            y, c = ref.run(None, {"x": x})
+            np.testing.assert_allclose(out["y"].numpy(), y, rtol=1e-5)
+            np.testing.assert_allclose(out["c"].numpy(), c, rtol=1e-5)
+
+        # A device input produced on the user's stream, and outputs ordered on that stream.
+        mem = sims[0].memory_info(MemoryType.DEFAULT)
+        async with env.create_sync_stream(sims[0]) as stream:
+            dx = env.empty((3, 4), np.float32, mem)
+            aioep.copy_tensors([xs[0]], [dx], stream)
+            out = await sess.run({"x": dx}, stream)
+            host = np.empty((3, 4), np.float32)
+            await aioep.copy_tensors([out["y"]], [host], stream)
+            np.testing.assert_allclose(host, ref.run(None, {"x": xs[0]})[0], rtol=1e-5)
+            del out, dx
+        results.clear()
+        await sess.aclose()
+
+
+async def test_sim_ep_options() -> None:
+    async with sim_environment() as (env, sims):
+        sess = await env.create_session(
+            chain(), [sims[0]], {"ep_options": {"SimExecutionProvider": {"ops": "Relu"}}}
+        )
+        assert sess.assignment == (CPU,) * 5 + ("SimExecutionProvider",)
+        await sess.aclose()
+        with pytest.raises(InvalidArgument, match="not supported"):
+            await env.create_session(
+                chain(), [sims[0]], {"ep_options": {"SimExecutionProvider": {"ops": "Conv"}}}
+            )
