@@ -1,0 +1,251 @@
+"""The runnable examples: quickstart and pipeline as scripts, the serving app in-process
+(httpx + ASGITransport, lifespan run by asgi-lifespan) and under a real uvicorn server."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SIM_INSTALLED = any(
+    e.name == "sim" for e in importlib.metadata.entry_points(group="aioep.backends")
+)
+needs_sim = pytest.mark.skipif(not SIM_INSTALLED, reason="the sim backend is not installed")
+
+pytestmark = pytest.mark.anyio
+
+
+def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@needs_sim
+def test_quickstart_round_trip_is_bit_exact() -> None:
+    proc = _run_script("examples/quickstart.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "SimExecutionProvider" in proc.stdout
+    assert "round trips are bit-exact" in proc.stdout
+
+
+@needs_sim
+def test_pipeline_overlaps_and_verifies() -> None:
+    proc = _run_script(
+        "examples/pipeline.py", "--batches", "4", "--mib", "1", "--bandwidth-gbps", "0.25"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "every batch verified" in proc.stdout
+    times = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^\s+(serial|overlapped)\s+([\d.]+) ms", proc.stdout, re.M)
+    }
+    # The sim's copy engines sleep for the modeled transfer time, so this holds under load.
+    assert times["overlapped"] < times["serial"], proc.stdout
+
+
+# -- serving app, in-process ------------------------------------------------------------------
+
+
+def _load_serving_app() -> ModuleType:
+    pytest.importorskip("fastapi")
+    spec = importlib.util.spec_from_file_location("serving_app", EXAMPLES / "serving_app.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serving_app"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def serving_app() -> ModuleType:
+    return _load_serving_app()
+
+
+@pytest.fixture
+async def client(serving_app: ModuleType) -> AsyncIterator[Any]:
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    backends = ["sim"] if SIM_INSTALLED else []
+    app = serving_app.create_app(
+        workers=2, backends=backends, backend_options={"sim": {"latency_us": 10}}
+    )
+    async with LifespanManager(app) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            yield c
+
+
+async def test_serving_app_health_and_devices(client: Any) -> None:
+    health = (await client.get("/healthz")).json()
+    assert health["status"] == "ok"
+    assert health["streams"] == health["free_streams"] == 2
+    if SIM_INSTALLED:
+        assert health["device"] == "SimExecutionProvider"
+    devices = (await client.get("/devices")).json()
+    assert devices[0]["type"] == "CPU"
+
+
+async def test_serving_app_infers_on_the_device(client: Any, serving_app: ModuleType) -> None:
+    x = np.array([[1, 2, 3, 4], [-1, 0, 1, 2], [0.5, -0.5, 2, -2]], np.float32)
+    resp = await client.post("/infer", json={"inputs": x.tolist()})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    np.testing.assert_allclose(np.array(body["outputs"]), serving_app.reference(x), rtol=1e-5)
+    if SIM_INSTALLED:
+        assert body["compute"] == "session on SimExecutionProvider"
+
+
+async def test_serving_app_concurrent_requests_share_the_stream_pool(
+    client: Any, serving_app: ModuleType
+) -> None:
+    import anyio
+
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal((5, 4)).astype(np.float32) for _ in range(8)]
+    results: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        resp = await client.post("/infer", json={"inputs": inputs[i].tolist()})
+        assert resp.status_code == 200, resp.text
+        results[i] = np.array(resp.json()["outputs"])
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(inputs)):
+                tg.start_soon(one, i)
+    for i, x in enumerate(inputs):
+        np.testing.assert_allclose(results[i], serving_app.reference(x), rtol=1e-5)
+    assert (await client.get("/healthz")).json()["free_streams"] == 2
+
+
+async def test_serving_app_rejects_bad_input(client: Any) -> None:
+    resp = await client.post("/infer", json={"inputs": [[1, 2, 3]]})
+    assert resp.status_code == 422
+    assert "rows of 4 numbers" in resp.text
+    resp = await client.post("/infer", json={"inputs": "nope"})
+    assert resp.status_code == 422
+
+
+# -- serving app under uvicorn ----------------------------------------------------------------
+
+
+@pytest.fixture
+def uvicorn_server() -> Iterator[tuple[str, list[str], subprocess.Popen[str]]]:
+    """Start ``uvicorn serving_app:app`` on 127.0.0.1 with a free port; stop it afterwards."""
+    pytest.importorskip("uvicorn")
+    env = {**os.environ, "AIOEP_SIM_LATENCY_US": "10", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(EXAMPLES),
+            "serving_app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log: list[str] = []
+    ready = threading.Event()
+    url: list[str] = []
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        if not ready.wait(60) or not url:
+            pytest.fail("uvicorn did not start:\n" + "".join(log))
+        yield url[0], log, proc
+    finally:
+        _stop(proc)
+        thread.join(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # graceful: runs the lifespan's shutdown
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serving_app_under_uvicorn(
+    uvicorn_server: tuple[str, list[str], subprocess.Popen[str]], serving_app: ModuleType
+) -> None:
+    import anyio
+    import httpx
+
+    base, log, _ = uvicorn_server
+    x = np.array([[1, 2, 3, 4]], np.float32)
+    with anyio.fail_after(60):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            assert (await c.get("/healthz")).json()["status"] == "ok"
+            for _ in range(3):
+                resp = await c.post("/infer", json={"inputs": x.tolist()})
+                assert resp.status_code == 200, resp.text
+                np.testing.assert_allclose(
+                    np.array(resp.json()["outputs"]), serving_app.reference(x), rtol=1e-5
+                )
+    assert any("Application startup complete" in line for line in log)
+
+
+def test_uvicorn_shuts_down_cleanly(
+    uvicorn_server: tuple[str, list[str], subprocess.Popen[str]],
+) -> None:
+    import httpx
+
+    base, log, proc = uvicorn_server
+    assert httpx.get(f"{base}/healthz", timeout=30).status_code == 200
+    assert _stop(proc) == 0
+    deadline = time.monotonic() + 10
+    while not any("Application shutdown complete" in line for line in log):
+        assert time.monotonic() < deadline, "".join(log)
+        time.sleep(0.05)  # the reader thread is draining the exited server's output
+    assert not any("Traceback" in line for line in log), "".join(log)
+
+
+def test_serving_app_module_exposes_app(serving_app: ModuleType) -> None:
+    from fastapi import FastAPI
+
+    assert isinstance(serving_app.app, FastAPI)
