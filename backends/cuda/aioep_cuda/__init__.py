@@ -1,0 +1,40 @@
+"""aioep's CUDA backend: NVIDIA GPUs through the CUDA driver API (``cuda.bindings.driver``).
+
+Entry point ``cuda`` in the group ``aioep.backends`` names :class:`CudaFactory`
+(EP ``"CUDAExecutionProvider"``). Importing this package never touches the
+driver: a machine without a GPU or driver gets a factory that offers no
+device and says why (``Environment.load_errors["cuda"]``).
+
+Layout: ``_driver`` (the driver boundary: loading, result checks, contexts),
+``_device`` (per-GPU state, event pool), ``_stream`` (CUstream / CUevent),
+``_wake`` (the GIL-free ``sem_post`` wake-up and its dispatcher thread),
+``_allocator``, ``_transfer``, ``_dlpack``, ``_factory``.
+"""
+
+from aioep._tensor import _dlpack_exporters
+
+from ._allocator import CudaDeviceAllocator as CudaDeviceAllocator
+from ._allocator import CudaPinnedAllocator as CudaPinnedAllocator
+from ._device import NVIDIA_VENDOR_ID as NVIDIA_VENDOR_ID
+from ._dlpack import export_dlpack as export_dlpack
+from ._factory import CudaFactory as CudaFactory
+from ._factory import CudaOptions as CudaOptions
+from ._stream import CudaNotification as CudaNotification
+from ._stream import CudaStream as CudaStream
+from ._transfer import CudaDataTransfer as CudaDataTransfer
+
+__all__ = [
+    "NVIDIA_VENDOR_ID",
+    "CudaDataTransfer",
+    "CudaDeviceAllocator",
+    "CudaFactory",
+    "CudaNotification",
+    "CudaOptions",
+    "CudaPinnedAllocator",
+    "CudaStream",
+    "export_dlpack",
+]
+
+__version__ = "0.1.0"
+
+_dlpack_exporters.setdefault(NVIDIA_VENDOR_ID, export_dlpack)

@@ -1,0 +1,135 @@
+"""Device memory (stream-ordered ``cuMemAllocAsync`` or plain ``cuMemAlloc``) and pinned host
+memory (``cuMemHostAlloc``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from aioep import DeviceError
+from aioep.abc import Allocator
+
+from ._driver import check, ctx_current, driver, error_name
+from ._stream import CudaStream
+
+if TYPE_CHECKING:
+    from aioep import SyncStream
+
+    from ._device import CudaDevice
+
+__all__ = ["CudaDeviceAllocator", "CudaPinnedAllocator"]
+
+
+def _oom(device: CudaDevice, what: str, nbytes: int, err: Any) -> DeviceError:
+    free, total = device.mem_info()
+    free_txt = "unknown" if free < 0 else f"{free}"
+    return DeviceError(
+        f"CUDA device {device.ordinal} ({device.name}): {what} of {nbytes} bytes failed with "
+        f"{error_name(err)}; {free_txt} bytes free of {total}"
+    )
+
+
+class CudaDeviceAllocator(Allocator):
+    """GPU memory of one device.
+
+    ``mode="async"``: ``cuMemAllocAsync``/``cuMemFreeAsync`` on the device's
+    default memory pool, ordered on the buffer's stream when it is a CUDA
+    stream of this device (else on a helper stream, synchronized once so the
+    memory is usable from any stream). ``mode="sync"``: ``cuMemAlloc``/``cuMemFree``.
+    """
+
+    def __init__(self, device: CudaDevice, mode: str = "async") -> None:
+        super().__init__(device.default_info)
+        self.device = device
+        self.mode = mode if device.memory_pools else "sync"
+        self._live: dict[int, int] = {}
+        self._live_lock = threading.Lock()
+
+    def _own_stream(self, stream: SyncStream | None) -> CudaStream | None:
+        impl = getattr(stream, "impl", None)
+        if (
+            isinstance(impl, CudaStream)
+            and impl.device is self.device
+            and not impl.closed
+            and not getattr(stream, "closed", False)
+        ):
+            return impl
+        return None
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        drv = driver()
+        dev = self.device
+        with ctx_current(dev.ctx):
+            if self.mode == "sync":
+                err, ptr = drv.cuMemAlloc(nbytes)
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    raise _oom(dev, "cuMemAlloc", nbytes, err)
+            else:
+                own = self._own_stream(stream)
+                if own is not None:
+                    with own.lock:
+                        err, ptr = drv.cuMemAllocAsync(nbytes, own.cu)
+                        own.enqueued()
+                else:
+                    helper = dev.helper_stream()
+                    err, ptr = drv.cuMemAllocAsync(nbytes, helper)
+                    if err == drv.CUresult.CUDA_SUCCESS:
+                        # Usable from any stream: the allocation must have happened.
+                        check(drv.cuStreamSynchronize(helper), "cuStreamSynchronize")
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    raise _oom(dev, "cuMemAllocAsync", nbytes, err)
+        addr = int(ptr)
+        with self._live_lock:
+            self._live[addr] = nbytes
+        return addr
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        drv = driver()
+        with self._live_lock:
+            self._live.pop(ptr, None)
+        try:
+            with ctx_current(self.device.ctx):
+                if self.mode == "sync":
+                    drv.cuMemFree(ptr)
+                    return
+                own = self._own_stream(stream)
+                if own is not None:
+                    with own.lock:
+                        if not own.closed:
+                            drv.cuMemFreeAsync(ptr, own.cu)
+                            own.enqueued()
+                            return
+                # The core frees a buffer only after the device work it knows of is done.
+                drv.cuMemFreeAsync(ptr, self.device.helper_stream())
+        except Exception:  # called from finalizers: never raise
+            pass
+
+    def __repr__(self) -> str:
+        return f"<CudaDeviceAllocator {self.mode} device={self.device.ordinal} live={self.live_buffers}>"
+
+
+class CudaPinnedAllocator(Allocator):
+    """Page-locked host memory (``cuMemHostAlloc``, portable and device-mapped)."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        super().__init__(device.pinned_info)
+        self.device = device
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        drv = driver()
+        flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
+        with ctx_current(self.device.ctx):
+            err, ptr = drv.cuMemHostAlloc(nbytes, flags)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise DeviceError(
+                f"CUDA pinned allocator (device {self.device.ordinal}): cuMemHostAlloc of "
+                f"{nbytes} bytes failed with {error_name(err)}"
+            )
+        return int(ptr)
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        try:
+            with ctx_current(self.device.ctx):
+                driver().cuMemFreeHost(ptr)
+        except Exception:
+            pass

@@ -1,0 +1,224 @@
+"""The CUDA execution-provider factory: discovery, options, allocators, streams, transfer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aioep import (
+    EpDevice,
+    HardwareDevice,
+    InvalidArgument,
+    MemoryDevice,
+    MemoryInfo,
+    MemoryType,
+)
+from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
+
+from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
+from ._device import NVIDIA_VENDOR_ID, CudaDevice
+from ._driver import check, driver, load_driver
+from ._stream import CudaStream
+from ._transfer import CudaDataTransfer
+from ._wake import Dispatcher
+
+__all__ = ["CudaFactory", "CudaOptions"]
+
+_CHOICES = {"allocator": ("async", "sync"), "wake": ("hostfn", "poll")}
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    """The CUDA backend's options (``backend_options={"cuda": {...}}``).
+
+    Attributes:
+        allocator: ``"async"`` (stream-ordered ``cuMemAllocAsync`` on the device's
+            default memory pool; the default) or ``"sync"`` (``cuMemAlloc``).
+        wake: ``"hostfn"`` (a ``sem_post`` host function wakes the dispatcher; the
+            default) or ``"poll"`` (``cuEventQuery`` with backoff; for comparison).
+        pool_release_threshold: bytes the default memory pool keeps cached across
+            synchronisations (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``); -1 leaves the
+            driver's setting (0: return memory at every synchronisation).
+    """
+
+    allocator: str = "async"
+    wake: str = "hostfn"
+    pool_release_threshold: int = -1
+
+    @classmethod
+    def from_mapping(cls, options: FactoryOptions | None) -> CudaOptions:
+        """Validate ``options``; an unknown key or a bad value is an :class:`InvalidArgument`."""
+        opts = dict(options or {})
+        unknown = sorted(set(opts) - {"allocator", "wake", "pool_release_threshold"})
+        if unknown:
+            raise InvalidArgument(
+                f"cuda backend: unknown option(s) {unknown}; known: allocator, wake, "
+                "pool_release_threshold"
+            )
+        values: dict[str, Any] = {}
+        for key, choices in _CHOICES.items():
+            if key in opts:
+                value = opts[key]
+                if not isinstance(value, str) or value not in choices:
+                    raise InvalidArgument(
+                        f"cuda backend: option {key!r} must be one of {list(choices)}, got {value!r}"
+                    )
+                values[key] = value
+        if "pool_release_threshold" in opts:
+            raw = opts["pool_release_threshold"]
+            try:
+                if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                    raise ValueError
+                value = int(raw)
+            except (TypeError, ValueError):
+                value = -2
+            if value < -1:
+                raise InvalidArgument(
+                    "cuda backend: option 'pool_release_threshold' must be an int of bytes >= 0 "
+                    f"(or -1 for the driver's setting), got {raw!r}"
+                )
+            values["pool_release_threshold"] = value
+        return cls(**values)
+
+
+class CudaFactory(EpFactory):
+    """NVIDIA GPUs through the CUDA driver API (``cuda.bindings.driver``).
+
+    One EP device per GPU with DEFAULT (device) and HOST_ACCESSIBLE (pinned)
+    memory. Without a driver or a GPU the factory still starts, offers no
+    device and says why in ``unavailable_reason``.
+    """
+
+    name = "CUDAExecutionProvider"
+    vendor = "NVIDIA"
+    vendor_id = NVIDIA_VENDOR_ID
+    version = "0.1.0"
+
+    def __init__(self, options: FactoryOptions | None = None) -> None:
+        self.options = CudaOptions.from_mapping(options)
+        self.devices: dict[int, CudaDevice] = {}
+        self.dispatcher: Dispatcher | None = None
+        self._closed = False
+        try:
+            drv = load_driver()
+            count = int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+        except Exception as exc:
+            self.unavailable_reason = f"CUDA is unavailable: {exc}"
+            return
+        if count == 0:
+            self.unavailable_reason = "no CUDA device found (cuDeviceGetCount returned 0)"
+            return
+        problems = []
+        for ordinal in range(count):
+            try:
+                self.devices[ordinal] = CudaDevice(ordinal)
+            except Exception as exc:
+                problems.append(f"device {ordinal}: {exc}")
+        if not self.devices:
+            self.unavailable_reason = "no usable CUDA device: " + "; ".join(problems)
+            return
+        self._configure_pools()
+        self.dispatcher = Dispatcher()
+        first = next(iter(self.devices.values()))
+        self.dispatcher.on_start = lambda: check(
+            driver().cuCtxSetCurrent(first.ctx), "cuCtxSetCurrent"
+        )
+
+    def _configure_pools(self) -> None:
+        if self.options.allocator != "async":
+            return
+        drv = driver()
+        for dev in self.devices.values():
+            if not dev.memory_pools:
+                continue
+            pool = check(drv.cuDeviceGetDefaultMemPool(dev.cu_device), "cuDeviceGetDefaultMemPool")
+            if self.options.pool_release_threshold >= 0:
+                check(
+                    drv.cuMemPoolSetAttribute(
+                        pool,
+                        drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                        drv.cuuint64_t(self.options.pool_release_threshold),
+                    ),
+                    "cuMemPoolSetAttribute(RELEASE_THRESHOLD)",
+                )
+            # Peers may read pool memory directly (D2D peer copies at full speed).
+            for other in self.devices.values():
+                if other is dev:
+                    continue
+                ok = drv.cuDeviceCanAccessPeer(other.cu_device, dev.cu_device)
+                if ok[0] != drv.CUresult.CUDA_SUCCESS or not ok[1]:
+                    continue
+                desc = drv.CUmemAccessDesc()
+                desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = other.ordinal
+                desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                drv.cuMemPoolSetAccess(pool, [desc], 1)  # best effort
+
+    # -- EpFactory -------------------------------------------------------------------------
+    def get_supported_devices(self, hardware: Sequence[HardwareDevice]) -> list[EpDevice]:
+        return [
+            EpDevice(
+                self,
+                dev.hardware,
+                memory_infos={
+                    MemoryType.DEFAULT: dev.default_info,
+                    MemoryType.HOST_ACCESSIBLE: dev.pinned_info,
+                },
+                ep_metadata={"cuda_device": str(dev.ordinal), "name": dev.name},
+                ep_options={"device_id": str(dev.ordinal)},
+            )
+            for dev in self.devices.values()
+        ]
+
+    def _device_of(self, memory_device: MemoryDevice, what: str) -> CudaDevice:
+        dev = self.devices.get(memory_device.device_id)
+        if (
+            dev is None
+            or memory_device.vendor_id != NVIDIA_VENDOR_ID
+            or memory_device not in (dev.default_info.device, dev.pinned_info.device)
+        ):
+            raise InvalidArgument(f"cuda backend: {what}: {memory_device} is not a CUDA memory")
+        return dev
+
+    def create_allocator(
+        self, memory_info: MemoryInfo, options: FactoryOptions | None
+    ) -> Allocator:
+        dev = self._device_of(memory_info.device, "create_allocator")
+        opts = dict(options or {})
+        mode = opts.pop("allocator", self.options.allocator)
+        if opts:
+            raise InvalidArgument(f"cuda allocator: unknown option(s) {sorted(opts)}")
+        if memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
+            return CudaPinnedAllocator(dev)
+        if mode not in _CHOICES["allocator"]:
+            raise InvalidArgument(
+                f"cuda allocator: option 'allocator' must be 'async' or 'sync', got {mode!r}"
+            )
+        return CudaDeviceAllocator(dev, str(mode))
+
+    def create_data_transfer(self) -> DataTransfer | None:
+        if not self.devices:
+            return None
+        return CudaDataTransfer(self.devices, self)
+
+    def is_stream_aware(self) -> bool:
+        return bool(self.devices)
+
+    def create_sync_stream(
+        self, memory_device: MemoryDevice, options: Mapping[str, Any] | None
+    ) -> StreamImpl:
+        if options:
+            raise InvalidArgument(f"cuda stream: unknown option(s) {sorted(options)}")
+        dev = self._device_of(memory_device, "create_sync_stream")
+        assert self.dispatcher is not None
+        return CudaStream(dev, self.dispatcher, wake=self.options.wake, owner=self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+        for dev in self.devices.values():
+            dev.close()

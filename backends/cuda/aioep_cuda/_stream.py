@@ -1,0 +1,263 @@
+"""CUDA streams (non-blocking ``CUstream``) and notifications (pooled ``CUevent``)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aioep import DeviceError, NotImplementedByEp
+from aioep.abc import NotificationImpl, StreamImpl, ThreadStream
+
+from ._driver import ctx_current, driver, error_name, launch_host_func
+
+if TYPE_CHECKING:
+    from ._device import CudaDevice
+    from ._wake import Dispatcher
+
+__all__ = ["CudaNotification", "CudaStream"]
+
+
+class CudaStream(StreamImpl):
+    """A non-blocking ``CUstream`` on one device; ``handle`` is its integer value.
+
+    ``seq`` counts everything enqueued (copies, event records, waits): a
+    notification whose host function would land after later work is polled
+    instead, so it is never woken late.
+    """
+
+    def __init__(
+        self, device: CudaDevice, dispatcher: Dispatcher, *, wake: str = "hostfn", owner: Any = None
+    ) -> None:
+        self.device = device
+        self.dispatcher = dispatcher
+        self.wake = wake
+        self.owner = owner
+        self.cu = device.new_stream()
+        self._handle = int(self.cu)
+        self.lock = threading.RLock()
+        self.seq = 0
+        self.closed = False
+        self.hostfn_failures = 0
+        # Gate word for pageable copies (see _transfer): value counter and errors by value.
+        self.gate_addr: int | None = None
+        self.gate_value = 0
+        self.gate_mark = 0
+        self.gate_errors: dict[int, BaseException] = {}
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    def create_notification(self) -> CudaNotification:
+        return CudaNotification(self)
+
+    def enqueued(self) -> None:
+        """Note that work was enqueued (called with :attr:`lock` held or from the loop)."""
+        self.seq += 1
+
+    def gate_errors_between(self, lo: int, hi: int) -> BaseException | None:
+        """The first pageable-copy failure with a gate value in ``(lo, hi]``."""
+        if not self.gate_errors:
+            return None
+        for value in sorted(self.gate_errors):
+            if lo < value <= hi:
+                return self.gate_errors[value]
+        return None
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.dispatcher.forget(self._handle)
+        drv = driver()
+        with ctx_current(self.device.ctx):
+            drv.cuStreamDestroy(self.cu)
+        if self.gate_addr is not None:
+            self.device.release_gate_slot(self.gate_addr)
+            self.gate_addr = None
+
+    def __repr__(self) -> str:
+        return f"<CudaStream {self._handle:#x} on {self.device!r}>"
+
+
+class CudaNotification(NotificationImpl):
+    """A pooled ``CUevent`` (timing disabled) recorded on a :class:`CudaStream`.
+
+    Completion reaches :meth:`add_done_callback` callbacks through the
+    factory's dispatcher: a ``sem_post`` host function enqueued right after the
+    event record, or polling with backoff when that is not possible.
+    """
+
+    __slots__ = (
+        "_armed",
+        "_callbacks",
+        "_done",
+        "_error",
+        "_event",
+        "_gates",
+        "_gen",
+        "_lock",
+        "_seq",
+        "_stream",
+    )
+
+    def __init__(self, stream: CudaStream) -> None:
+        self._stream = stream
+        self._event = stream.device.events.take()
+        weakref.finalize(self, stream.device.events.give, self._event)
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._gen = 0  # activation count; 0: never recorded (complete, like an unrecorded event)
+        self._done = 0  # the generation known complete
+        self._armed = 0  # the generation a waiter is registered for
+        self._error: BaseException | None = None
+        self._seq = 0
+        self._gates = (0, 0)
+
+    @property
+    def event(self) -> Any:
+        """The ``CUevent`` (valid while this notification is alive)."""
+        return self._event
+
+    @property
+    def stream(self) -> CudaStream:
+        """The stream this notification marks."""
+        return self._stream
+
+    def activate(self) -> None:
+        stream = self._stream
+        drv = driver()
+        with stream.lock:
+            if stream.closed:
+                raise DeviceError(f"{stream!r} is closed")
+            with ctx_current(stream.device.ctx):
+                err = drv.cuEventRecord(self._event, stream.cu)[0]
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise DeviceError(f"cuEventRecord on {stream!r} failed: {error_name(err)}")
+            stream.enqueued()
+            seq = stream.seq
+            gates = (stream.gate_mark, stream.gate_value)
+            stream.gate_mark = stream.gate_value
+        with self._lock:
+            self._gen += 1
+            self._seq = seq
+            self._gates = gates
+            self._error = None
+            rearm = bool(self._callbacks)
+            if rearm:
+                self._armed = self._gen
+            gen = self._gen
+        if rearm:
+            self._arm(gen)
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        if isinstance(stream, CudaStream):
+            drv = driver()
+            with stream.lock, ctx_current(stream.device.ctx):
+                err = drv.cuStreamWaitEvent(stream.cu, self._event, 0)[0]
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    raise DeviceError(
+                        f"cuStreamWaitEvent({stream!r}, event of {self._stream!r}) failed: "
+                        f"{error_name(err)}"
+                    )
+                stream.enqueued()
+        elif isinstance(stream, ThreadStream):
+            stream.enqueue_wait(self)
+        else:
+            raise NotImplementedByEp(
+                f"a CUDA event cannot order a {type(stream).__name__} on the device; await the "
+                "notification first"
+            )
+
+    # -- completion ------------------------------------------------------------------------
+    def _query_event(self) -> tuple[bool, BaseException | None]:
+        drv = driver()
+        err = drv.cuEventQuery(self._event)[0]
+        if err == drv.CUresult.CUDA_SUCCESS:
+            return True, None
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False, None
+        if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread without a context
+            with ctx_current(self._stream.device.ctx):
+                return self._query_event()
+        return True, DeviceError(
+            f"work on {self._stream!r} before this event failed: {error_name(err)}"
+        )
+
+    def _finish(self, gen: int, error: BaseException | None) -> None:
+        with self._lock:
+            if gen != self._gen or self._done == gen:
+                return
+            if error is None:
+                error = self._stream.gate_errors_between(*self._gates)
+            self._done = gen
+            self._error = error
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def _check(self, gen: int) -> bool:
+        """The dispatcher's waiter: True once generation ``gen`` is complete (or stale)."""
+        with self._lock:
+            if gen != self._gen or self._done == gen:
+                return True
+        done, error = self._query_event()
+        if done:
+            self._finish(gen, error)
+        return done
+
+    def query(self) -> bool:
+        with self._lock:
+            if self._gen == 0 or self._done == self._gen:
+                return True
+            gen = self._gen
+        done, error = self._query_event()
+        if done:
+            self._finish(gen, error)
+        return done
+
+    def error(self) -> BaseException | None:
+        with self._lock:
+            return self._error
+
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        with self._lock:
+            finished = self._gen == 0 or self._done == self._gen
+            if not finished:
+                self._callbacks.append(fn)
+                arm = self._armed != self._gen
+                self._armed = self._gen
+                gen = self._gen
+        if finished:
+            fn()
+            return True
+        if arm:
+            self._arm(gen)
+        return True
+
+    def _arm(self, gen: int) -> None:
+        stream = self._stream
+        dispatcher = stream.dispatcher
+        check = functools.partial(self._check, gen)
+        if stream.wake == "hostfn":
+            with stream.lock:
+                if not stream.closed and stream.seq == self._seq:
+                    dispatcher.watch_ordered(stream.handle, check)
+                    with ctx_current(stream.device.ctx):
+                        err = launch_host_func(
+                            stream.handle, dispatcher.post_address, dispatcher.post_argument
+                        )
+                    if err == 0:
+                        return
+                    # A sticky context error (or any failure): poll this one. The entry left
+                    # in the FIFO finishes before anything later on the stream, so it is harmless.
+                    stream.hostfn_failures += 1
+        dispatcher.watch_polled(check)
+
+    def __repr__(self) -> str:
+        state = "idle" if self._gen == 0 else ("done" if self._done == self._gen else "pending")
+        return f"<CudaNotification {state} on {self._stream!r}>"

@@ -1,0 +1,293 @@
+"""CUDA backend figures (needs an NVIDIA GPU; prints "skipped: no GPU" and exits 0 without one).
+
+1. Pinned H2D / D2H bandwidth for 1 GiB, aioep vs CuPy (or raw cuda.bindings when CuPy is
+   missing) doing the same copy in the same run. Target: >= 0.95x.
+2. ``await stream`` wake latency after a small copy vs ``await asyncio.to_thread(event
+   synchronize)`` and vs numba-cuda's ``await stream.async_done()``; aioep's ``wake=poll``
+   fallback too. Targets: <= 0.5x of to_thread and <= numba.
+3. Event-loop max lag while 8 GiB of copies are in flight. Target: <= 2 ms.
+4. 1000 concurrent awaiters on 8 streams: thread count constant.
+
+Writes benchmarks/results/cuda_copy.json. Run: ``python benchmarks/cuda_copy.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GiB = 1 << 30
+RESULTS = Path(__file__).parent / "results" / "cuda_copy.json"
+
+
+def _gpu_available() -> bool:
+    try:
+        from aioep_cuda._driver import check, load_driver
+
+        drv = load_driver()
+        return int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount")) > 0
+    except Exception:
+        return False
+
+
+def _baseline_bandwidth(
+    host_ptr: int, dev_ptr: int, nbytes: int, reps: int
+) -> tuple[str, float, float]:
+    """(name, H2D GB/s, D2H GB/s) of the same pinned copies done by CuPy or raw driver calls."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        rt = cupy.cuda.runtime
+
+        def run(kind: int, dst: int, src: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+            stream.synchronize()
+            return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+        run(rt.memcpyHostToDevice, dev_ptr, host_ptr)  # warm-up
+        return (
+            "cupy",
+            run(rt.memcpyHostToDevice, dev_ptr, host_ptr),
+            run(rt.memcpyDeviceToHost, host_ptr, dev_ptr),
+        )
+    except ImportError:
+        from aioep_cuda._driver import check, driver
+
+        drv = driver()
+        s = check(drv.cuStreamCreate(1), "cuStreamCreate")
+
+        def run_raw(dst: int, src: int) -> float:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                check(drv.cuMemcpyAsync(dst, src, nbytes, s), "cuMemcpyAsync")
+            check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+            return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+        run_raw(dev_ptr, host_ptr)
+        out = ("cuda.bindings", run_raw(dev_ptr, host_ptr), run_raw(host_ptr, dev_ptr))
+        drv.cuStreamDestroy(s)
+        return out
+
+
+async def _bandwidth(env: Any, gpu: Any, results: dict[str, Any]) -> None:
+    import aioep
+
+    pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
+    host = env.empty((GiB,), "uint8", pinned)
+    host.numpy()[:] = 7
+    dev = env.empty((GiB,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT))
+    reps = 5
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([host], [dev], stream=stream)  # warm-up
+
+        async def run(src: Any, dst: Any) -> float:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                env.copy_tensors([src], [dst], stream=stream)
+            await stream
+            return GiB * reps / (time.perf_counter() - t0) / 1e9
+
+        h2d, d2h = await run(host, dev), await run(dev, host)
+    name, base_h2d, base_d2h = _baseline_bandwidth(host.data_ptr, dev.data_ptr, GiB, reps)
+    results["bandwidth"] = {
+        "baseline": name,
+        "h2d_gbps": h2d,
+        "d2h_gbps": d2h,
+        "baseline_h2d_gbps": base_h2d,
+        "baseline_d2h_gbps": base_d2h,
+        "h2d_ratio": h2d / base_h2d,
+        "d2h_ratio": d2h / base_d2h,
+        "target": ">= 0.95",
+    }
+
+
+async def _latency(env: Any, gpu: Any, n: int = 300) -> float:
+    import aioep
+
+    pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
+    src = env.empty((4096,), "uint8", pinned)
+    dst = env.empty((4096,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT))
+    samples = []
+    async with env.create_sync_stream(gpu) as stream:
+        for _ in range(n):
+            env.copy_tensors([src], [dst], stream=stream)
+            t0 = time.perf_counter()
+            await stream
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def _to_thread_latency(n: int = 300) -> float:
+    from aioep_cuda._driver import check, driver
+
+    drv = driver()
+    s = check(drv.cuStreamCreate(1), "cuStreamCreate")
+    ev = check(drv.cuEventCreate(2), "cuEventCreate")
+    h = check(drv.cuMemHostAlloc(4096, 0), "cuMemHostAlloc")
+    d = check(drv.cuMemAlloc(4096), "cuMemAlloc")
+
+    async def main() -> float:
+        samples = []
+        for _ in range(n):
+            check(drv.cuMemcpyAsync(d, h, 4096, s), "cuMemcpyAsync")
+            check(drv.cuEventRecord(ev, s), "cuEventRecord")
+            t0 = time.perf_counter()
+            await asyncio.to_thread(drv.cuEventSynchronize, ev)
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    try:
+        return asyncio.run(main())
+    finally:
+        drv.cuMemFree(d)
+        drv.cuMemFreeHost(h)
+        drv.cuEventDestroy(ev)
+        drv.cuStreamDestroy(s)
+
+
+def _numba_latency(n: int = 300) -> float | None:
+    try:
+        from numba import cuda  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        stream = cuda.stream()
+        host = cuda.pinned_array(4096, dtype=np.uint8)
+        dev = cuda.device_array(4096, dtype=np.uint8)
+    except Exception:
+        return None
+
+    async def main() -> float:
+        samples = []
+        for _ in range(n):
+            dev.copy_to_device(host, stream=stream)
+            t0 = time.perf_counter()
+            await stream.async_done()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    return asyncio.run(main())
+
+
+async def _loop_lag(env: Any, gpu: Any, results: dict[str, Any]) -> None:
+    import aioep
+
+    pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
+    host = env.empty((GiB,), "uint8", pinned)
+    devs = [
+        env.empty((GiB // 2,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT)) for _ in range(2)
+    ]
+    streams = [env.create_sync_stream(gpu) for _ in range(4)]
+    lag = 0.0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal lag
+        while not stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lag = max(lag, time.perf_counter() - t0 - 0.001)
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    futures = []
+    for i in range(16):  # 16 x 512 MiB = 8 GiB
+        src = aioep.Tensor(host.buffer, (GiB // 2,), "uint8", byte_offset=(i % 2) * (GiB // 2))
+        futures.append(env.copy_tensors([src], [devs[i % 2]], stream=streams[i % 4]))
+    await asyncio.gather(*futures)
+    elapsed = time.perf_counter() - t0
+    stop = True
+    await tick
+    for s in streams:
+        await s.aclose()
+    results["loop_lag"] = {
+        "bytes": 8 * GiB,
+        "seconds": elapsed,
+        "max_lag_ms": lag * 1e3,
+        "target": "<= 2 ms",
+    }
+
+
+async def _awaiters(env: Any, gpu: Any, results: dict[str, Any]) -> None:
+    import aioep
+
+    streams = [env.create_sync_stream(gpu) for _ in range(8)]
+    data = np.ones(4096, dtype=np.uint8)
+    bufs = [env.empty((4096,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT)) for _ in streams]
+    for s, b in zip(streams, bufs):
+        await env.copy_tensors([data], [b], stream=s)
+    before = threading.active_count()
+    peak = before
+
+    async def waiter(i: int) -> None:
+        nonlocal peak
+        env.copy_tensors([data], [bufs[i % 8]], stream=streams[i % 8])
+        await streams[i % 8]
+        peak = max(peak, threading.active_count())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(waiter(i) for i in range(1000)))
+    results["awaiters"] = {
+        "count": 1000,
+        "streams": 8,
+        "threads_before": before,
+        "threads_peak": peak,
+        "threads_after": threading.active_count(),
+        "seconds": time.perf_counter() - t0,
+        "constant": peak == before == threading.active_count(),
+    }
+    for s in streams:
+        await s.aclose()
+
+
+async def _main() -> dict[str, Any]:
+    import aioep
+
+    results: dict[str, Any] = {}
+    async with aioep.Environment(backends=["cuda"]) as env:
+        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+        results["device"] = dict(gpu.hardware.metadata)
+        await _bandwidth(env, gpu, results)
+        results["latency_us"] = {"aioep_hostfn": await _latency(env, gpu)}
+        await _loop_lag(env, gpu, results)
+        await _awaiters(env, gpu, results)
+    async with aioep.Environment(
+        backends=["cuda"], backend_options={"cuda": {"wake": "poll"}}
+    ) as env:
+        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+        results["latency_us"]["aioep_poll"] = await _latency(env, gpu)
+    return results
+
+
+def main() -> int:
+    if not _gpu_available():
+        print("skipped: no GPU")
+        return 0
+    results = asyncio.run(_main())
+    lat = results["latency_us"]
+    lat["to_thread_event_sync"] = _to_thread_latency()
+    lat["numba_async_done"] = _numba_latency()
+    lat["ratio_vs_to_thread"] = lat["aioep_hostfn"] / lat["to_thread_event_sync"]
+    if lat["numba_async_done"]:
+        lat["ratio_vs_numba"] = lat["aioep_hostfn"] / lat["numba_async_done"]
+    lat["targets"] = "<= 0.5x to_thread, <= 1.0x numba"
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
