@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -34,6 +35,7 @@ from ._partition import CPU_EP_NAME, Partition, assignment_of, partition_graph
 from ._stream import SyncStream
 from ._tensor import HOST_MEMORY_INFO, Tensor
 from ._types import DeviceType, MemoryDevice, MemoryInfo
+from ._wake import wait_for
 
 if TYPE_CHECKING:
     from ._environment import Environment
@@ -42,6 +44,7 @@ __all__ = ["Session", "create_session"]
 
 _OPTION_KEYS = ("ep_options", "intra_op_num_threads", "inter_op_num_threads")
 _LOCATIONS = ("device", "host")
+_T = TypeVar("_T")
 
 
 class _State(enum.Enum):
@@ -149,9 +152,12 @@ class Session:
 
     __slots__ = (
         "_active",
+        "_direct",
         "_env",
         "_eps",
+        "_executor",
         "_idle",
+        "_input_specs",
         "_state",
         "_steps",
         "_streams",
@@ -160,7 +166,10 @@ class Session:
     )
 
     _env: Environment
+    _direct: _Step | None
     _eps: list[Ep]
+    _executor: ThreadPoolExecutor | None
+    _input_specs: tuple[tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None], ...]
     _steps: list[_Step]
     _streams: dict[str, SyncStream]
     _state: _State
@@ -185,6 +194,9 @@ class Session:
         self._state = _State.OPEN
         self._active = 0
         self._idle = None
+        self._executor = None
+        self._direct = None
+        self._input_specs = tuple((i.name, i.dtype, i.shape) for i in graph.inputs)
         self.assignment = ()
         return self
 
@@ -252,6 +264,8 @@ class Session:
                 )
                 await anyio.to_thread.run_sync(_make_ort_sessions, graph, cpu_steps, opts, whole)
             self._steps = steps
+            if len(steps) == 1 and steps[0].partition.ep is None:
+                self._direct = steps[0]  # the whole graph on the CPU fallback
         except BaseException:
             await self.aclose()
             raise
@@ -331,14 +345,57 @@ class Session:
                 )
             streams = {**streams, owner: stream}
             user_ready = stream.record()
-        values = self._bind_inputs(inputs, user_ready, stream)
+        feeds = None
+        if self._direct is not None and stream is None:
+            feeds = self._host_feeds(inputs)
+        values = self._bind_inputs(inputs, user_ready, stream) if feeds is None else {}
         self._active += 1
         try:
+            if feeds is not None:
+                assert self._direct is not None
+                return await self._run_direct(self._direct, feeds)
             return await self._run(values, streams, stream, output_location)
         finally:
             self._active -= 1
             if self._active == 0 and self._idle is not None:
                 self._idle.set()
+
+    def _host_feeds(
+        self, inputs: Mapping[str, Tensor | npt.ArrayLike]
+    ) -> dict[str, npt.NDArray[Any]] | None:
+        """Validated host arrays for the direct path, or None to take the general path."""
+        specs = self._input_specs
+        if not isinstance(inputs, Mapping) or len(inputs) != len(specs):
+            return None
+        feeds: dict[str, npt.NDArray[Any]] = {}
+        for name, want, shape in specs:
+            given = inputs.get(name)
+            if isinstance(given, Tensor) and given.is_host_accessible:
+                given = given.numpy()
+            if (
+                not isinstance(given, np.ndarray)
+                or (want is not None and given.dtype != want)
+                or (
+                    shape is not None
+                    and (
+                        len(shape) != given.ndim
+                        or any(isinstance(d, int) and d != n for d, n in zip(shape, given.shape))
+                    )
+                )
+            ):
+                return None  # the general path raises the precise error
+            feeds[name] = given
+        return feeds
+
+    async def _run_direct(
+        self, step: _Step, feeds: dict[str, npt.NDArray[Any]]
+    ) -> dict[str, Tensor]:
+        """The whole graph on the CPU fallback, inputs on the host: one ORT call."""
+        results = await self._in_thread(_run_ort, step.ort_session, feeds)
+        return {
+            name: Tensor.from_numpy(np.ascontiguousarray(array))
+            for name, array in zip(step.ort_outputs, results)
+        }
 
     async def _run(
         self,
@@ -358,7 +415,7 @@ class Session:
             args = await self._gather(step, target, values, placed)
             if part.ep is None:
                 arrays = {n: t.numpy() for n, t in zip(step.inputs, args)}
-                results = await anyio.to_thread.run_sync(_run_ort, step.ort_session, arrays)
+                results = await self._in_thread(_run_ort, step.ort_session, arrays)
                 for name, array in zip(step.ort_outputs, results):
                     values[name] = _Value(Tensor.from_numpy(np.ascontiguousarray(array)))
                 continue
@@ -436,42 +493,37 @@ class Session:
             raise InvalidArgument(
                 f"run: inputs must map input names to arrays or tensors, got {type(inputs).__name__}"
             )
-        known = self.graph.inputs
-        unknown = sorted(set(inputs) - {i.name for i in known})
-        if unknown:
-            raise InvalidArgument(
-                f"run: unknown input name(s) {unknown}; the model's inputs are "
-                f"{list(self.input_names)}"
-            )
-        values: dict[str, _Value] = {}
-        for info in known:
-            if info.name not in inputs:
+        specs = self._input_specs
+        if len(inputs) != len(specs) or any(n not in inputs for n, _, _ in specs):
+            names = [n for n, _, _ in specs]
+            unknown = sorted(set(inputs) - set(names))
+            if unknown:
                 raise InvalidArgument(
-                    f"run: missing input {info.name!r} (model inputs: {list(self.input_names)})"
+                    f"run: unknown input name(s) {unknown}; the model's inputs are {names}"
                 )
-            given = inputs[info.name]
+            missing = [n for n in names if n not in inputs]
+            raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
+        values: dict[str, _Value] = {}
+        for name, want, shape in specs:
+            given = inputs[name]
             if isinstance(given, Tensor):
                 tensor = given
                 value = _Value(tensor, ready, stream if ready is not None else None)
             else:
-                array = np.ascontiguousarray(given)
-                tensor = Tensor.from_numpy(array)
+                tensor = Tensor.from_numpy(np.ascontiguousarray(given))
                 value = _Value(tensor)
-            want = info.dtype
             if want is not None and tensor.dtype != want:
                 raise InvalidArgument(
-                    f"run: input {info.name!r} has dtype {tensor.dtype}, the model expects {want}"
+                    f"run: input {name!r} has dtype {tensor.dtype}, the model expects {want}"
                 )
-            if info.shape is not None:
-                ok = len(info.shape) == tensor.ndim and all(
-                    not isinstance(d, int) or d == s for d, s in zip(info.shape, tensor.shape)
+            if shape is not None and (
+                len(shape) != len(tensor.shape)
+                or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
+            ):
+                raise InvalidArgument(
+                    f"run: input {name!r} has shape {tensor.shape}, the model expects {list(shape)}"
                 )
-                if not ok:
-                    raise InvalidArgument(
-                        f"run: input {info.name!r} has shape {tensor.shape}, the model expects "
-                        f"{list(info.shape)}"
-                    )
-            values[info.name] = value
+            values[name] = value
         return values
 
     async def _gather(
@@ -524,6 +576,21 @@ class Session:
                 placed[(name, device)] = _Value(dst, note, target if note is not None else None)
         return [a for a in args if a is not None]
 
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn`` on the session's worker threads; cancelling abandons only the wait."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="aioep-session"
+            )
+        fut = self._executor.submit(fn, *args)
+
+        def register(wake: Callable[[], None]) -> bool:
+            fut.add_done_callback(lambda _: wake())
+            return True
+
+        await wait_for(register, fut.done)
+        return fut.result()
+
     # -- lifecycle -------------------------------------------------------------------------
     async def aclose(self) -> None:
         """Wait for runs in flight, then close the session's streams and release its EPs;
@@ -545,6 +612,9 @@ class Session:
             self._steps = []
             for ep in self._eps:
                 ep.release()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
 
     async def __aenter__(self) -> Session:
         if self._state is not _State.OPEN:
