@@ -24,11 +24,13 @@ class Notification:
     course. ``wait(timeout)`` is the blocking form for synchronous code.
     """
 
-    __slots__ = ("__weakref__", "_impl", "_stream")
+    __slots__ = ("__weakref__", "_impl", "_stream", "_sync_table")
 
     def __init__(self, impl: NotificationImpl, stream: SyncStream | None = None) -> None:
         self._impl = impl
         self._stream = stream
+        # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).
+        self._sync_table: dict[int, int] = {}
 
     @property
     def impl(self) -> NotificationImpl:
@@ -46,6 +48,9 @@ class Notification:
             self._stream._check_open()
             self._stream._dirty = False
             self._stream._tail = self
+            stream = self._stream
+            stream._sync_id += 1
+            self._sync_table = {**stream._sync_clock, stream._uid: stream._sync_id}
         self._impl.activate()
 
     def wait_on_device(self, stream: SyncStream) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SyncStream"]
 
+_stream_uids = itertools.count(1)
+
 
 class SyncStream:
     """An in-order queue of device work (a ``CUstream`` on CUDA, a worker thread on sim).
@@ -27,7 +30,18 @@ class SyncStream:
     closes it after its pending work.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_dirty", "_ep_device", "_impl", "_on_close", "_tail")
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_dirty",
+        "_ep_device",
+        "_impl",
+        "_on_close",
+        "_sync_clock",
+        "_sync_id",
+        "_tail",
+        "_uid",
+    )
 
     def __init__(
         self,
@@ -42,6 +56,12 @@ class SyncStream:
         self._closed = False
         self._dirty = False
         self._tail: Notification | None = None
+        # Sync-id bookkeeping for stream-aware allocators (ORT's stream_handles.cc): _sync_id
+        # counts recorded points; _sync_clock maps a producer stream's _uid to the highest of
+        # its sync ids that this stream has waited for.
+        self._uid = next(_stream_uids)
+        self._sync_id = 0
+        self._sync_clock: dict[int, int] = {}
 
     @property
     def impl(self) -> StreamImpl:
@@ -87,6 +107,7 @@ class SyncStream:
                 f"{self!r}.wait() needs an aioep.Notification, got {type(notification).__name__}"
             )
         if notification.done():
+            self._merge_sync_table(notification)
             return
         try:
             notification.impl.wait_on_device(self._impl)
@@ -95,6 +116,13 @@ class SyncStream:
                 f"{self!r} cannot wait on the device for {notification!r}: {exc}"
             ) from exc
         self._dirty = True
+        self._merge_sync_table(notification)
+
+    def _merge_sync_table(self, notification: Notification) -> None:
+        # ORT's UpdateWithAwaitedNotification: keep the highest sync id seen per producer.
+        for uid, sync_id in notification._sync_table.items():
+            if sync_id > self._sync_clock.get(uid, 0):
+                self._sync_clock[uid] = sync_id
 
     def _enqueued(self) -> None:
         self._dirty = True
