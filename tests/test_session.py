@@ -489,3 +489,20 @@ async def test_sim_ep_options() -> None:
             await env.create_session(
                 chain(), [sims[0]], {"ep_options": {"SimExecutionProvider": {"ops": "Conv"}}}
             )
+
+
+# -- the ort backend's delegating EP ---------------------------------------------------------
+async def test_ort_plugin_ep_delegates_to_onnxruntime() -> None:
+    ort_ep = pytest.importorskip("aioep_ort._ep")
+    cpu = [d for d in ort.get_ep_devices() if d.ep_name == CPU]
+
+    class OrtCpuFactory(HostTestFactory):
+        def create_ep(self, ep_devices: Any, options: Any) -> Ep:
+            return ort_ep.OrtPluginEp("OrtCpu", cpu, options)
+
+    async with environment(t=claim_ops("Add", "Mul")) as (env, devs):
+        (dev,) = env.register_library("ortcpu", OrtCpuFactory("OrtCpu", claim_ops()))
+        async with await env.create_session(chain(), [devs["t"], dev]) as sess:
+            assert sess.assignment == ("t", "OrtCpu", "t", "OrtCpu", "OrtCpu", "OrtCpu")
+            x = np.random.default_rng(17).standard_normal((3, 4)).astype(np.float32)
+            assert_matches(await sess.run({"x": x}), reference(chain(), {"x": x}))
