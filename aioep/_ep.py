@@ -106,6 +106,9 @@ class Ep(abc.ABC):
     """
 
     name: str = ""
+    uses_stream: bool = True
+    """False for an EP whose compiled nodes run off the loop on their own (they get
+    ``stream=None``); the session then creates no stream for it."""
 
     def __init__(self) -> None:
         self._environment: Environment | None = None

@@ -215,7 +215,7 @@ class Session:
                     continue
                 ep = part.ep
                 stream = self._streams.get(ep.name)
-                if stream is None and ep.ep_devices[0].factory.is_stream_aware():
+                if stream is None and ep.uses_stream and ep.ep_devices[0].factory.is_stream_aware():
                     stream = env.create_sync_stream(ep.ep_devices[0])
                     self._streams[ep.name] = stream
                 memory = ep.memory_info

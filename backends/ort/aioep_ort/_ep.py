@@ -76,6 +76,7 @@ class OrtPluginEp(Ep):
         if not ort_devices:
             raise InvalidArgument(f"{name}: no onnxruntime EP devices to select")
         self.name = name
+        self.uses_stream = False  # ORT orders its own device work inside session.run
         self._ort_devices = list(ort_devices)
         self._provider_options = {str(k): str(v) for k, v in (options or {}).items()}
         self._check = check
