@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -249,3 +250,51 @@ def test_serving_app_module_exposes_app(serving_app: ModuleType) -> None:
     from fastapi import FastAPI
 
     assert isinstance(serving_app.app, FastAPI)
+
+
+# -- docs --------------------------------------------------------------------------------------
+
+
+def test_docs_reference_only_importable_modules() -> None:
+    """A ``::: name`` block naming a missing module breaks ``mkdocs build --strict``."""
+    names = re.findall(
+        r"^::: ([\w.]+)",
+        "".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))),
+        re.M,
+    )
+    assert "aioep" in names
+    for name in names:
+        module, _, attr = name, "", ""
+        while True:
+            try:
+                mod = importlib.import_module(module)
+                break
+            except ModuleNotFoundError:
+                module, _, tail = module.rpartition(".")
+                attr = f"{tail}.{attr}".strip(".")
+                assert module, f"docs refer to {name!r}, which does not exist"
+        for part in filter(None, attr.split(".")):
+            mod = getattr(mod, part)
+
+
+def test_docs_nav_names_existing_pages() -> None:
+    nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert nav
+    missing = [page for page in nav if not (ROOT / "docs" / page).is_file()]
+    assert not missing
+
+
+@pytest.mark.slow
+def test_docs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "index.html").is_file()
