@@ -57,12 +57,15 @@ class CopyFuture:
         self._dst = list(dst)
         self._callbacks: list[Callable[[CopyFuture], None]] = []
         self._notification = notification
-        self._keepalive: list[Tensor] | None = list(keepalive)
+        self._keepalive: list[Tensor] | None = None
+        if notification.impl.query():  # already complete (an idle stream ran it inline)
+            self._complete()
+            return
+        self._keepalive = list(keepalive)
         for t in self._keepalive:
             t.buffer._pin()
-        if not notification.impl.add_done_callback(self._complete):
-            # The backend cannot call back: completion is found by done(), await or wait().
-            pass
+        # If the backend cannot call back, completion is found by done(), await or wait().
+        notification.impl.add_done_callback(self._complete)
 
     @classmethod
     def completed(cls, dst: Sequence[Tensor], notification: Notification) -> CopyFuture:

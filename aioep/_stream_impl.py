@@ -108,12 +108,12 @@ class HostNotification(NotificationImpl):
     and by the core for copies that run without a stream.
     """
 
-    __slots__ = ("_callbacks", "_error", "_event", "_generation", "_lock", "_stream")
+    __slots__ = ("_callbacks", "_done", "_error", "_generation", "_lock", "_stream")
 
     def __init__(self, stream: ThreadStream | None = None) -> None:
         self._stream = stream
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._done = False  # read without the lock: a bool flip is atomic
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
         self._generation = 0
@@ -124,7 +124,7 @@ class HostNotification(NotificationImpl):
         with self._lock:
             self._generation += 1
             generation = self._generation
-            self._event.clear()
+            self._done = False
             self._error = None
         self._stream._enqueue_signal(self, generation)
 
@@ -134,32 +134,46 @@ class HostNotification(NotificationImpl):
         Returns False, doing nothing, when ``generation`` names a mark that a later
         :meth:`activate` superseded.
         """
-        with self._lock:
-            if generation is not None and generation != self._generation:
-                return False
-            self._error = error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
+        callbacks = self._mark(error, generation)
+        if callbacks is None:
+            return False
         for fn in callbacks:
             fn()
         return True
 
+    def _mark(
+        self, error: BaseException | None, generation: int | None
+    ) -> list[Callable[[], None]] | None:
+        # Complete without running callbacks; returns them, or None if the mark was superseded.
+        with self._lock:
+            if generation is not None and generation != self._generation:
+                return None
+            self._error = error
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
     def query(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def error(self) -> BaseException | None:
         return self._error
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return True
         fn()
         return True
 
     def wait_on_host(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        # Only blocking waiters pay for an Event; awaiting tasks never create one.
+        event = threading.Event()
+        self.add_done_callback(event.set)
+        return event.wait(timeout)
 
     def wait_on_device(self, stream: StreamImpl) -> None:
         if not isinstance(stream, ThreadStream):
@@ -285,7 +299,6 @@ class ThreadStream(StreamImpl):
             self._keep_error(exc)
 
     def _run(self) -> None:
-        error: BaseException | None = None
         while True:
             with self._cond:
                 while not self._queue or self._busy:
@@ -295,18 +308,27 @@ class ThreadStream(StreamImpl):
                 kind, obj, generation = self._queue.popleft()
                 self._busy = True
                 if kind == "signal":
+                    # Mark it done before the stream reads as idle, and wake waiters only
+                    # after: whoever a mark wakes sees the stream past it.
                     error = self._take_error()
+                    callbacks = obj._mark(error, generation)  # type: ignore[attr-defined]
+                    if callbacks is None and error is not None:
+                        self._pending_error = error  # superseded mark: keep the failure
+                    self._busy = False
+                    del error
+            if kind == "signal":
+                for fn in callbacks or ():
+                    fn()
+                del obj, callbacks
+                continue
             try:
                 if kind == "op":
                     self._run_op(obj)  # type: ignore[arg-type]
-                elif kind == "wait":
+                else:
                     # Like cuStreamWaitEvent: order only; a failure upstream is not inherited.
                     obj.wait_on_host(None)  # type: ignore[attr-defined]
-                elif not obj.set(error, generation=generation) and error is not None:  # type: ignore[attr-defined]
-                    self._keep_error(error)
             finally:
                 del obj
-                error = None
                 with self._cond:
                     self._busy = False
 

@@ -33,13 +33,17 @@ async def wait_for(register: Register, query: Callable[[], bool]) -> None:
     and return True, or return False if it cannot; then ``query()`` is polled
     with backoff (the fallback). Always checkpoints, even when already complete.
     """
-    if query():
-        await anyio.lowlevel.checkpoint()
-        return
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         loop = None
+    if query():
+        # Checkpoint even when already complete, so loops of awaits cannot starve other tasks.
+        if loop is not None:
+            await asyncio.sleep(0)  # what anyio's checkpoint does on asyncio, minus the lookup
+        else:
+            await anyio.lowlevel.checkpoint()
+        return
     if loop is not None:
         fut: asyncio.Future[None] = loop.create_future()
 

@@ -526,6 +526,9 @@ async def test_cancellation_storm(make_env: MakeEnv) -> None:
     env = await make_env(latency_us=20)
     devs = [sim_device(env, 0), sim_device(env, 1)]
     streams = [env.create_sync_stream(devs[i % 2]) for i in range(4)]
+    g, impl = gate()
+    for s in streams:
+        s.wait(g)  # hold the streams back so every copy is in flight at the cancel
     outs: list[tuple[int, np.ndarray]] = []
     notes: list[aioep.Notification] = []
     started = 0
@@ -550,7 +553,10 @@ async def test_cancellation_storm(make_env: MakeEnv) -> None:
             for k in range(1000):
                 tg.start_soon(task, k)
             await all_started.wait()
+            assert not any(n.done() for n in notes)
             tg.cancel_scope.cancel()
+        gc.collect()
+        impl.set()
         for s in streams:
             await s.aclose()
     assert all(n.done() and n.exception() is None for n in notes)

@@ -42,7 +42,9 @@ class DeviceMemory:
         self._next = self.base
         self._lock = threading.Lock()
         self._starts: list[int] = []  # sorted: addresses only grow
-        self._blocks: dict[int, npt.NDArray[np.uint8]] = {}
+        self._blocks: dict[
+            int, tuple[npt.NDArray[np.uint8], int]
+        ] = {}  # start -> (block, host addr)
         self.in_use = 0
         self.peak = 0
 
@@ -78,24 +80,24 @@ class DeviceMemory:
             ) from exc
         with self._lock:
             self._starts.append(ptr)  # addresses grow, so the list stays sorted
-            self._blocks[ptr] = block
+            self._blocks[ptr] = (block, int(block.ctypes.data))
         return ptr
 
     def free(self, ptr: int) -> None:
         """Release the allocation that starts at ``ptr``."""
         with self._lock:
-            block = self._blocks.pop(ptr, None)
-            if block is None:
+            entry = self._blocks.pop(ptr, None)
+            if entry is None:
                 raise DeviceError(f"sim device {self.device_id}: free of unknown address {ptr:#x}")
             i = bisect.bisect_left(self._starts, ptr)
             del self._starts[i]
-            self.in_use -= block.nbytes
+            self.in_use -= entry[0].nbytes
 
-    def view(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
-        """A uint8 numpy view of ``nbytes`` of device memory at ``ptr`` (for backend code only).
+    def resolve(self, ptr: int, nbytes: int) -> tuple[npt.NDArray[np.uint8], int]:
+        """The backing block of ``nbytes`` at device address ``ptr`` and the host address of ``ptr``.
 
-        The view keeps the backing block alive, so a copy that holds it is safe even
-        if the buffer is freed meanwhile.
+        Hold the block while using the address: it keeps the memory alive even if
+        the buffer is freed meanwhile.
 
         Raises:
             DeviceError: the range is not inside one live allocation (an illegal address).
@@ -104,14 +106,25 @@ class DeviceMemory:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i >= 0:
                 start = self._starts[i]
-                block = self._blocks[start]
-                offset = ptr - start
-                if offset + nbytes <= block.nbytes:
-                    return block[offset : offset + nbytes]
+                block, addr = self._blocks[start]
+                if ptr - start + nbytes <= block.nbytes:
+                    return block, addr + (ptr - start)
         raise DeviceError(
             f"sim device {self.device_id}: illegal address: {nbytes} bytes at {ptr:#x} are not "
             "inside one live allocation (freed, or out of bounds)"
         )
+
+    def view(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A writable uint8 numpy view of device memory, for backend code (kernels, loaders).
+
+        The view keeps the backing block alive.
+
+        Raises:
+            DeviceError: the range is not inside one live allocation (an illegal address).
+        """
+        block, addr = self.resolve(ptr, nbytes)
+        offset = addr - int(block.ctypes.data)
+        return block[offset : offset + nbytes]
 
     @property
     def live_allocations(self) -> int:

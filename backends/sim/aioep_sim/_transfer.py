@@ -8,9 +8,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from aioep import DeviceType, MemoryDevice, Tensor
 from aioep.abc import CopyPair, DataTransfer, StreamImpl
 
@@ -77,31 +74,28 @@ class SimDataTransfer(DataTransfer):
         for src, dst in pairs:
             self._copy(src, dst)
 
-    def _side(self, t: Tensor, n: int) -> tuple[SimDevice | None, int, Any]:
-        """(device if in device memory, host address to copy at, object to keep alive)."""
-        memory = t.device
-        if memory.is_host_accessible:
-            return None, t.data_ptr, t
-        dev = self._sim_device(memory)
-        assert dev is not None  # can_copy checked it
-        view: npt.NDArray[np.uint8] = dev.memory.view(t.data_ptr, n)
-        return dev, int(view.__array_interface__["data"][0]), view
+    def _side(self, t: Tensor, dev: SimDevice | None, n: int) -> tuple[int, Any]:
+        """(host address to copy at, object to keep alive while copying)."""
+        if dev is None:
+            return t.data_ptr, t
+        block, addr = dev.memory.resolve(t.data_ptr, n)
+        return addr, block
 
     def _copy(self, src: Tensor, dst: Tensor) -> None:
         n = src.nbytes
         if n == 0:
             return
-        sdev = self._sim_device(src.device) if not src.device.is_host_accessible else None
-        ddev = self._sim_device(dst.device) if not dst.device.is_host_accessible else None
-        for dev in (sdev, ddev):
-            if dev is not None:
-                dev.check_alive("copy")
-        owner = sdev or ddev or self._sim_device(src.device) or self._sim_device(dst.device)
-        assert owner is not None
-        owner.begin_copy()
+        sinfo, dinfo = src.device, dst.device
+        sdev = None if sinfo.is_host_accessible else self._sim_device(sinfo)
+        ddev = None if dinfo.is_host_accessible else self._sim_device(dinfo)
+        if ddev is not None and sdev is not ddev:
+            ddev.check_alive("copy")
+        owner = sdev or ddev or self._sim_device(sinfo) or self._sim_device(dinfo)
+        assert owner is not None  # can_copy checked it
+        owner.begin_copy()  # raises if lost (or injected to fail)
         # Resolve device addresses when the copy runs: freed memory is an illegal address.
-        _, src_addr, src_keep = self._side(src, n)
-        _, dst_addr, dst_keep = self._side(dst, n)
+        src_addr, src_keep = self._side(src, sdev, n)
+        dst_addr, dst_keep = self._side(dst, ddev, n)
         if self._latency:
             time.sleep(self._latency)
         if not self._bytes_per_s:
