@@ -189,7 +189,9 @@ class Environment:
                 target = ep.load()
                 self.register_library(ep.name, target, self._backend_options.get(ep.name))
             except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
+                # Report the backend's own failure, not the registration wrapper around it.
+                root = exc.__cause__ if isinstance(exc, EpError) and exc.__cause__ else exc
+                message = f"{type(root).__name__}: {root}"
                 self.load_errors[ep.name] = message
                 warnings.warn(
                     f"aioep backend {ep.name!r} could not start and was skipped: {message}",
@@ -197,7 +199,9 @@ class Environment:
                     stacklevel=3,
                 )
         for name in sorted((wanted or set()) - found):
-            self.load_errors[name] = f"no backend named {name!r} is installed"
+            self.load_errors[name] = (
+                f"no backend named {name!r} is installed (entry-point group {BACKEND_GROUP!r})"
+            )
             warnings.warn(
                 f"aioep backend {name!r} is not installed (entry-point group {BACKEND_GROUP!r})",
                 RuntimeWarning,
@@ -565,6 +569,9 @@ class Environment:
 
                 config = ArenaConfig.from_options(arena_opts)
                 base = self._make_allocator(lib, info, factory_opts or None)
+                # The arena owns its base (it holds the regions and retires the base when it
+                # closes), so only the arena's own buffers count as the library's live ones.
+                lib.allocators.remove(base)
                 allocator = ArenaAllocator(base, config)
                 lib.allocators.append(allocator)
             self._replace_shared(info.device, _Shared(allocator, lib.name))

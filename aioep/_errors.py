@@ -65,6 +65,10 @@ class EpError(Exception):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keep a non-default code across pickling (worker processes, multiprocessing).
+        return (type(self), self.args[:1], self.__dict__)
+
 
 class InvalidArgument(EpError, ValueError):
     """An argument was wrong; nothing was enqueued, written or registered."""

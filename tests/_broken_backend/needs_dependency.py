@@ -1,0 +1,3 @@
+import aioep_missing_dependency  # noqa: F401
+
+Factory = None
