@@ -76,22 +76,28 @@ async def wake_latency(n: int) -> dict[str, Any]:
     thread.start()
     ours: list[float] = []
     base: list[float] = []
-    for i in range(n + n // 10):
-        warm = i < n // 10
-        # Interleave the two so drift in machine load hits both alike.
+
+    async def ours_once() -> float:
         impl = HostNotification()
         note = aioep.Notification(impl)
         jobs.put(("aioep", impl))
         await note
-        t1 = time.perf_counter()
-        if not warm:
-            ours.append(t1 - stamps["t0"])
+        return time.perf_counter() - stamps["t0"]
+
+    async def base_once() -> float:
         fut: asyncio.Future[None] = loop.create_future()
         jobs.put(("base", fut))
         await fut
-        t1 = time.perf_counter()
-        if not warm:
-            base.append(t1 - stamps["t0"])
+        return time.perf_counter() - stamps["t0"]
+
+    for i in range(n + n // 10):
+        # Interleave the two, alternating which goes first, so load drift hits both alike.
+        first, second = (ours_once, base_once) if i % 2 else (base_once, ours_once)
+        a = await first()
+        b = await second()
+        if i >= n // 10:
+            ours.append(a if first is ours_once else b)
+            base.append(b if first is ours_once else a)
     jobs.put(None)
     thread.join()
     o, b = summary(ours), summary(base)
