@@ -380,3 +380,39 @@ async def test_cancelled_await_leaves_copy_running_and_buffers_alive() -> None:
         gc.collect()
         assert all(r() is None for r in refs)
         assert alloc.live_buffers == baseline
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float32, np.dtype(">i4"), np.dtype([("a", "u1"), ("b", "<f8")])]
+)
+async def test_small_numpy_batches_copy_inline(dtype: Any) -> None:
+    async with aioep.Environment(autoload=False):
+        rng = np.random.default_rng(3)
+        srcs = [rng.integers(0, 256, 36 * k, dtype=np.uint8).view(dtype) for k in (1, 2, 3)]
+        dsts = [np.zeros_like(s) for s in srcs]
+        fut = aioep.copy_tensors(srcs, dsts)
+        assert fut.done()  # small host batches complete before copy_tensors returns
+        out = await fut
+        for s, d, t in zip(srcs, dsts, out):
+            assert d.tobytes() == s.tobytes()
+            assert t.data_ptr == d.ctypes.data
+            assert t.dtype == d.dtype
+            assert t.shape == d.shape
+
+
+async def test_small_batch_fallbacks_still_copy_or_reject() -> None:
+    async with aioep.Environment(autoload=False) as env:
+        a = np.arange(16, dtype=np.int32)
+        # Overlapping sources, a Tensor destination, 5 pairs: general path, same result.
+        dsts = [np.zeros(8, np.int32), env.empty(8, "int32")]
+        await aioep.copy_tensors([a[0:8], a[4:12]], dsts)
+        assert dsts[0].tolist() == list(range(8))
+        assert dsts[1].numpy().tolist() == list(range(4, 12))
+        many = [np.zeros(2, np.int32) for _ in range(5)]
+        await aioep.copy_tensors([a[2 * i : 2 * i + 2] for i in range(5)], many)
+        assert [m.tolist() for m in many] == [[2 * i, 2 * i + 1] for i in range(5)]
+        d = _dst(16, np.int32)
+        with pytest.raises(aioep.InvalidArgument, match="overlaps"):
+            aioep.copy_tensors([a, a], [d, d])
+        assert _untouched(d)
+        del dsts
