@@ -1,0 +1,203 @@
+"""Device memory through ORT: buffers backed by OrtValues, and the address map that lets the
+data transfer find the OrtValues behind any tensor (views and arena sub-allocations included).
+
+Two kinds of device pointer exist. Most EPs hand out real addresses
+(``OrtValue.data_ptr()``); WebGPU hands out opaque ``WGPUBuffer`` handles, for
+which ``ptr + offset`` means nothing and distinct buffers' handle ranges
+overlap. For handles, aioep gives each buffer a private *virtual* address range
+(never reused) so that offsets, views and the core's overlap checks stay exact,
+and backs the buffer with several OrtValues of ``segment_bytes`` each: copies
+then run one segment at a time and release the GIL between segments (ORT's
+binding holds it for a whole ``copy_tensors`` call).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioep import DeviceError, InvalidArgument, MemoryInfo, MemoryType
+from aioep.abc import Allocator
+
+from ._ort import ort, translate
+from ._registry import Registration
+
+if TYPE_CHECKING:
+    from aioep import SyncStream, Tensor
+
+__all__ = ["AddressMap", "Block", "OrtAllocator"]
+
+_VIRTUAL_BASE = 0x7E00_0000_0000
+_PAGE = 1 << 16
+_virtual_lock = threading.Lock()
+_virtual_top = [_VIRTUAL_BASE]
+
+
+def _virtual_range(nbytes: int) -> int:
+    # Never reused, with a guard gap, so stale pointers never alias new buffers.
+    with _virtual_lock:
+        start = _virtual_top[0]
+        _virtual_top[0] += (nbytes + 2 * _PAGE - 1) // _PAGE * _PAGE
+        return start
+
+
+@dataclass
+class Block:
+    """One allocation: its address range and the OrtValues that hold the memory."""
+
+    start: int
+    nbytes: int
+    segment_bytes: int
+    values: list[Any]
+    ort_memory_info: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises read-modify-write of partly covered segments."""
+
+    def segment(self, index: int) -> tuple[Any, int]:
+        """The OrtValue of segment ``index`` and its size in bytes."""
+        size = min(self.segment_bytes, self.nbytes - index * self.segment_bytes)
+        return self.values[index], size
+
+
+class AddressMap:
+    """Live blocks of one factory, searchable by any address inside them (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._blocks: dict[int, Block] = {}
+
+    def add(self, block: Block) -> None:
+        with self._lock:
+            bisect.insort(self._starts, block.start)
+            self._blocks[block.start] = block
+
+    def pop(self, start: int) -> Block:
+        with self._lock:
+            block = self._blocks.pop(start)
+            del self._starts[bisect.bisect_left(self._starts, start)]
+            return block
+
+    def find(self, ptr: int, nbytes: int) -> Block:
+        """The block that holds ``[ptr, ptr + nbytes)``.
+
+        Raises:
+            InvalidArgument: no live block of this library holds that range.
+        """
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            block = self._blocks.get(self._starts[i]) if i >= 0 else None
+        if block is None or ptr + nbytes > block.start + block.nbytes:
+            raise InvalidArgument(
+                f"address range {ptr:#x}+{nbytes} is not live memory of this ORT library "
+                "(freed, or allocated elsewhere)"
+            )
+        return block
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class OrtAllocator(Allocator):
+    """Device (or host-accessible) memory of one ORT plugin EP, as uint8 OrtValues.
+
+    Each buffer's OrtValues live in the factory's :class:`AddressMap` until the
+    buffer is freed; they are counted on the library's :class:`Registration`
+    so the library is never unregistered from ORT while one is alive.
+    """
+
+    def __init__(
+        self,
+        memory_info: MemoryInfo,
+        ort_memory_info: Any,
+        registration: Registration,
+        device_index: int,
+        address_map: AddressMap,
+        segment_bytes: int,
+        *,
+        device_check: bool = True,
+    ) -> None:
+        super().__init__(memory_info)
+        self._ort_memory_info = ort_memory_info
+        self._registration = registration
+        self._device_index = device_index
+        self._map = address_map
+        self._segment_bytes = segment_bytes
+        self._device_check = device_check
+        self._opaque: bool | None = None  # device pointers are handles (WebGPU)
+
+    def _new_value(self, nbytes: int) -> Any:
+        self._registration.value_created()
+        try:
+            return ort().OrtValue.ortvalue_from_shape_and_type(
+                (nbytes,), np.uint8, memory_info=self._ort_memory_info
+            )
+        except Exception as exc:
+            self._registration.value_released()
+            raise translate(
+                exc, f"allocating {nbytes} bytes on {self.memory_info.name!r} through ORT"
+            ) from exc
+
+    def _drop_values(self, values: list[Any]) -> None:
+        n = len(values)
+        values.clear()  # the last references: ORT releases the memory here
+        for _ in range(n):
+            self._registration.value_released()
+
+    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
+        if self._ort_memory_info is None:
+            raise DeviceError(f"allocator {self.memory_info.name!r}: its library was unregistered")
+        if self._device_check and self.memory_info.memory_type is MemoryType.DEFAULT:
+            self._registration.check_device(self._device_index)
+        seg = self._segment_bytes
+        values: list[Any] = []
+        try:
+            first = self._new_value(min(nbytes, seg) if seg else nbytes)
+            values.append(first)
+            if self._opaque is None:
+                self._opaque = bool(getattr(first, "_is_webgpu_buffer", False))
+            if self._opaque and seg:
+                for offset in range(seg, nbytes, seg):
+                    values.append(self._new_value(min(seg, nbytes - offset)))
+                block = Block(_virtual_range(nbytes), nbytes, seg, values, self._ort_memory_info)
+            else:
+                if seg and nbytes > seg:  # real addresses: one contiguous OrtValue
+                    self._drop_values(values)
+                    values.append(self._new_value(nbytes))
+                block = Block(
+                    int(values[0].data_ptr()), nbytes, nbytes, values, self._ort_memory_info
+                )
+        except BaseException:
+            self._drop_values(values)
+            raise
+        self._map.add(block)
+        return block.start
+
+    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
+        block = self._map.pop(ptr)
+        self._drop_values(block.values)
+
+    def _close(self) -> None:
+        self._ort_memory_info = None
+
+    def ort_value(self, tensor: Tensor) -> Any:
+        """The OrtValue that holds exactly ``tensor``'s bytes (for handing to ORT sessions).
+
+        Raises:
+            InvalidArgument: the tensor is a view, or spans several segments (allocate
+                with ``segment_bytes=0`` in the backend options to get one OrtValue).
+        """
+        block = self._map.find(tensor.data_ptr, tensor.nbytes)
+        offset = tensor.data_ptr - block.start
+        index, rem = divmod(offset, block.segment_bytes)
+        value, size = block.segment(index)
+        if rem or size != tensor.nbytes:
+            raise InvalidArgument(
+                f"{tensor!r} is not exactly one OrtValue (offset {offset}, {tensor.nbytes} bytes, "
+                f"segments of {block.segment_bytes}); use segment_bytes=0 for whole OrtValues"
+            )
+        return value
