@@ -40,7 +40,10 @@ MIN_ALLOCATION_BITS = 8
 MIN_ALLOCATION_SIZE = 1 << MIN_ALLOCATION_BITS  # 256 B, as ORT's kMinAllocationSize
 NUM_BINS = 21  # bin i holds free chunks of [256 << i, 256 << (i + 1)); the last has no top
 SIZE_MAX = (1 << 64) - 1  # ORT's "no limit" (std::numeric_limits<size_t>::max())
-_BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
+_bisect_left = bisect.bisect_left
+_insort = bisect.insort
+_BACKPEDAL = 0.9
+_MAX_PARKED = 64  # freed chunks parked before coalescing (see ArenaAllocator._quick)  # on a base-allocator failure, retry an extension this much smaller
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -211,6 +214,7 @@ class _Chunk:
         "next",
         "prev",
         "ptr",
+        "quick",
         "region",
         "requested",
         "size",
@@ -223,6 +227,7 @@ class _Chunk:
         self.size = size
         self.region = region
         self.in_use = False
+        self.quick = False  # free, parked in the quick list (not binned, not yet coalesced)
         self.requested = 0
         self.prev: _Chunk | None = None
         self.next: _Chunk | None = None
@@ -296,6 +301,7 @@ class ArenaAllocator(Allocator):
         self.base = base
         self.config = config
         self._limit = config.limit
+        self._max_dead = config.max_dead_bytes_per_chunk
         self._unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
         self._curr_region_bytes = self._round(min(self._limit, config.initial_chunk_size_bytes))
         self._bins: list[list[tuple[int, int, _Chunk]]] = [[] for _ in range(NUM_BINS)]
@@ -306,6 +312,11 @@ class ArenaAllocator(Allocator):
         self._busy = False
         self._deferred: list[_Chunk] = []
         self._watch: list[_Region] = []  # free regions to give back once their stream passes
+        # Freed chunks parked by exact size before coalescing, like malloc's fast bins: an
+        # alloc/free cycle of one size then costs a list append and pop. They are coalesced
+        # before the arena would extend, and whenever a caller looks at the chunks.
+        self._quick: dict[int, list[_Chunk]] = {}
+        self._quick_count = 0
         self._in_use = 0  # bytes of chunks in use (rounded), as ORT's InUse
         self._max_in_use = 0
         self._reserved_bytes = 0  # bytes of regions, ORT's TotalAllocated
@@ -323,28 +334,90 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
-            )
+        if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+                raise InvalidArgument(
+                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                )
+            nbytes = int(nbytes)
+            if nbytes == 0:
+                if self._closed or self._retired:
+                    raise ClosedError(f"arena {self.memory_info.name!r} is closed")
+                return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
         if self._closed or self._retired:
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")
-        if nbytes == 0:
-            return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
-        rounded = self._round(nbytes)
+        unit = self._unit
+        rounded = (nbytes + unit - 1) // unit * unit
         with self._lock:
             self._busy = True
             try:
-                chunk = self._find(rounded, stream)
+                chunk = None
+                parked = self._quick.get(rounded)
+                if parked:
+                    chunk = self._take_parked(parked, stream)
                 if chunk is None:
-                    chunk = self._grow_and_find(nbytes, rounded, stream)
+                    chunk = self._find(rounded, stream)
+                    if chunk is None:
+                        chunk = self._grow_and_find(nbytes, rounded, stream)
                 chunk.in_use = True
                 chunk.requested = nbytes
                 chunk.stream = stream
-                self._account_alloc(chunk.size, nbytes)
+                size = chunk.size
+                self._in_use = in_use = self._in_use + size
+                if in_use > self._max_in_use:
+                    self._max_in_use = in_use
+                if size > self._max_alloc_size:
+                    self._max_alloc_size = size
+                self._live_buffers += 1
+                self._num_allocs += 1
+                self._bytes_in_use = requested = self._bytes_in_use + nbytes
+                if requested > self._peak_bytes_in_use:
+                    self._peak_bytes_in_use = requested
             finally:
-                self._end_section()
-        return self._make_buffer(chunk, stream)
+                if self._deferred:
+                    self._end_section()
+                self._busy = False
+        buffer = _ArenaBuffer(
+            chunk.ptr,
+            nbytes,
+            self.memory_info,
+            allocator=self,
+            # Views of host memory keep the region's backing object alive, so reading a
+            # freed buffer through a view never touches unmapped memory.
+            owner=chunk.region.buffer._owner,
+            stream=stream,
+        )
+        buffer._finalizer = _Release(self, chunk)  # type: ignore[assignment]
+        return buffer
+
+    def _take_parked(self, parked: list[_Chunk], stream: SyncStream | None) -> _Chunk | None:
+        # The lowest address among the usable parked chunks, as best fit would pick.
+        best = -1
+        idle: dict[int, bool] = {}
+        for i, chunk in enumerate(parked):
+            owner = chunk.stream
+            if (owner is None or owner is stream or self._usable(chunk, stream, idle)) and (
+                best < 0 or chunk.ptr < parked[best].ptr
+            ):
+                best = i
+        if best < 0:
+            return None
+        chunk = parked.pop(best)
+        chunk.quick = False
+        self._quick_count -= 1
+        return chunk
+
+    def _flush_parked(self) -> None:
+        """Coalesce every parked chunk into the bins (lock held)."""
+        if not self._quick_count:
+            return
+        parked = [c for chunks in self._quick.values() for c in chunks]
+        self._quick.clear()
+        self._quick_count = 0
+        for chunk in parked:
+            # Parked neighbours still have quick set, so each merges once it is reached.
+            chunk.quick = False
+            self._coalesce(chunk)
 
     def reserve(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
         """Allocate a dedicated region of ``nbytes`` straight from the base (ORT's ``Reserve``).
@@ -398,6 +471,7 @@ class ArenaAllocator(Allocator):
         with self._lock:
             self._busy = True
             try:
+                self._flush_parked()
                 for chunk in self._free_chunks():
                     if chunk.stream is stream:
                         self._reset_chunk(chunk)
@@ -410,6 +484,8 @@ class ArenaAllocator(Allocator):
         ``MaxAllocSize``, ``LargestFreeBlock``) plus ``LiveBuffers``, ``InUseRequested``
         and ``MaxTotalAllocated``. Sizes are bytes; in-use sizes are rounded chunk sizes."""
         with self._lock:
+            if not self._busy:
+                self._flush_parked()
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,
@@ -430,6 +506,8 @@ class ArenaAllocator(Allocator):
         """Every chunk as ``(ptr, size, in_use, stream)`` in address order (for tests and
         debugging)."""
         with self._lock:
+            if not self._busy:
+                self._flush_parked()
             out = []
             for region in sorted(self._regions, key=lambda r: r.head.ptr):
                 c: _Chunk | None = region.head
@@ -488,8 +566,6 @@ class ArenaAllocator(Allocator):
             chunk.requested,
             self.memory_info,
             allocator=self,
-            # Views of host memory keep the region's backing object alive, so reading a
-            # freed buffer through a view never touches unmapped memory.
             owner=chunk.region.buffer._owner,
             stream=stream,
         )
@@ -517,52 +593,60 @@ class ArenaAllocator(Allocator):
         return done or _tail_passed(owner, chunk.sync_id)
 
     def _find(self, rounded: int, stream: SyncStream | None) -> _Chunk | None:
-        b = _bin_index(rounded)
+        b = (rounded >> MIN_ALLOCATION_BITS).bit_length() - 1
+        if b >= NUM_BINS:
+            b = NUM_BINS - 1
         mask = self._nonempty >> b
         idle: dict[int, bool] = {}
-        usable = self._usable
+        bins = self._bins
         while mask:
             skip = (mask & -mask).bit_length() - 1
             b += skip
             mask >>= skip
-            free = self._bins[b]
-            i = bisect.bisect_left(free, (rounded,))
+            free = bins[b]
+            i = _bisect_left(free, (rounded,))
             for j in range(i, len(free)):
                 chunk = free[j][2]
-                if usable(chunk, stream, idle):
+                owner = chunk.stream
+                if owner is None or owner is stream or self._usable(chunk, stream, idle):
                     del free[j]
                     if not free:
                         self._nonempty &= ~(1 << b)
-                    self._split(chunk, rounded)
+                    rest = chunk.size - rounded
+                    if rest and (rest >= rounded or rest >= self._max_dead):
+                        self._split(chunk, rounded, rest)
                     return chunk
             b += 1
             mask >>= 1
         return None
 
-    def _split(self, chunk: _Chunk, rounded: int) -> None:
-        rest = chunk.size - rounded
-        if rest and (rest >= rounded or rest >= self.config.max_dead_bytes_per_chunk):
-            new = _Chunk(chunk.ptr + rounded, rest, chunk.region)
-            new.stream = chunk.stream
-            new.sync_id = chunk.sync_id
-            new.prev = chunk
-            new.next = chunk.next
-            if chunk.next is not None:
-                chunk.next.prev = new
-            chunk.next = new
-            chunk.size = rounded
-            self._insert(new)
+    def _split(self, chunk: _Chunk, rounded: int, rest: int) -> None:
+        new = _Chunk(chunk.ptr + rounded, rest, chunk.region)
+        new.stream = chunk.stream
+        new.sync_id = chunk.sync_id
+        new.prev = chunk
+        nxt = new.next = chunk.next
+        if nxt is not None:
+            nxt.prev = new
+        chunk.next = new
+        chunk.size = rounded
+        self._insert(new)
 
     def _insert(self, chunk: _Chunk) -> None:
-        b = _bin_index(chunk.size)
-        bisect.insort(self._bins[b], (chunk.size, chunk.ptr, chunk))
+        size = chunk.size
+        b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+        if b >= NUM_BINS:
+            b = NUM_BINS - 1
+        _insort(self._bins[b], (size, chunk.ptr, chunk))
         self._nonempty |= 1 << b
 
     def _remove(self, chunk: _Chunk) -> None:
-        b = _bin_index(chunk.size)
+        size = chunk.size
+        b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+        if b >= NUM_BINS:
+            b = NUM_BINS - 1
         free = self._bins[b]
-        i = bisect.bisect_left(free, (chunk.size, chunk.ptr))
-        del free[i]
+        del free[_bisect_left(free, (size, chunk.ptr))]
         if not free:
             self._nonempty &= ~(1 << b)
 
@@ -575,8 +659,11 @@ class ArenaAllocator(Allocator):
         return self._bins[self._nonempty.bit_length() - 1][-1][0]
 
     def _grow_and_find(self, nbytes: int, rounded: int, stream: SyncStream | None) -> _Chunk:
-        # Before growing: chunks of streams that have since finished become anyone's.
-        if self._reset_passed_streams():
+        # Before growing: coalesce parked chunks, and chunks of streams that have since
+        # finished become anyone's.
+        flushed = self._quick_count
+        self._flush_parked()
+        if self._reset_passed_streams() or flushed:
             chunk = self._find(rounded, stream)
             if chunk is not None:
                 return chunk
@@ -667,7 +754,11 @@ class ArenaAllocator(Allocator):
             try:
                 gone = self._free_chunk(chunk)
             finally:
-                self._end_section()
+                if self._deferred:
+                    self._end_section()
+                self._busy = False
+            if gone is None and not self._watch and not self._retired and not self._closed:
+                return  # the hot path
             close_now = self._retired and self._live_buffers == 0 and not self._closed
             closed = self._closed
             watch, self._watch = self._watch, []
@@ -700,8 +791,19 @@ class ArenaAllocator(Allocator):
                 return region
             self._watch.append(region)
             return None
+        if not self._closed:
+            chunk.quick = True
+            parked = self._quick.get(chunk.size)
+            if parked is None:
+                self._quick[chunk.size] = [chunk]
+            else:
+                parked.append(chunk)
+            self._quick_count += 1
+            if self._quick_count > _MAX_PARKED:
+                self._flush_parked()
+            return None
         chunk = self._coalesce(chunk)
-        if self._closed and chunk.next is None and chunk.prev is None:
+        if chunk.next is None and chunk.prev is None:
             if chunk.stream is None:
                 self._remove(chunk)
                 self._drop_region(region)
@@ -712,21 +814,23 @@ class ArenaAllocator(Allocator):
     def _coalesce(self, chunk: _Chunk) -> _Chunk:
         """Merge a free chunk with free neighbours of the same stream and bin the result."""
         nxt = chunk.next
-        if nxt is not None and not nxt.in_use and nxt.stream is chunk.stream:
+        if nxt is not None and not nxt.in_use and not nxt.quick and nxt.stream is chunk.stream:
             self._remove(nxt)
             chunk.size += nxt.size
-            chunk.sync_id = max(chunk.sync_id, nxt.sync_id)
-            chunk.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = chunk
+            if nxt.sync_id > chunk.sync_id:
+                chunk.sync_id = nxt.sync_id
+            after = chunk.next = nxt.next
+            if after is not None:
+                after.prev = chunk
         prev = chunk.prev
-        if prev is not None and not prev.in_use and prev.stream is chunk.stream:
+        if prev is not None and not prev.in_use and not prev.quick and prev.stream is chunk.stream:
             self._remove(prev)
             prev.size += chunk.size
-            prev.sync_id = max(prev.sync_id, chunk.sync_id)
-            prev.next = chunk.next
-            if chunk.next is not None:
-                chunk.next.prev = prev
+            if chunk.sync_id > prev.sync_id:
+                prev.sync_id = chunk.sync_id
+            after = prev.next = chunk.next
+            if after is not None:
+                after.prev = prev
             chunk = prev
         self._insert(chunk)
         return chunk
@@ -740,6 +844,7 @@ class ArenaAllocator(Allocator):
 
     def _reset_passed_streams(self) -> int:
         """Reset free chunks whose stream has passed their point; returns how many (lock held)."""
+        self._flush_parked()
         idle: dict[int, bool] = {}
         passed = [
             chunk
@@ -759,6 +864,7 @@ class ArenaAllocator(Allocator):
 
     def _take_free_regions(self) -> list[_Region]:
         """Unlink wholly free regions that no stream may still use (lock held)."""
+        self._flush_parked()
         gone = []
         for region in list(self._regions):
             head = region.head
