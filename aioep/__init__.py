@@ -6,10 +6,18 @@ Plugin authors find the base classes they implement in :mod:`aioep.abc`.
 """
 
 from ._allocator import Allocator as Allocator
+from ._arena import ArenaAllocator as ArenaAllocator
+from ._arena import ArenaConfig as ArenaConfig
+from ._arena import ArenaExtendStrategy as ArenaExtendStrategy
 from ._device import EpDevice as EpDevice
 from ._environment import Environment as Environment
 from ._environment import copy_tensors as copy_tensors
 from ._environment import current_environment as current_environment
+from ._ep import CompiledNode as CompiledNode
+from ._ep import Ep as Ep
+from ._ep import FusedGroup as FusedGroup
+from ._ep import IndexedSubGraph as IndexedSubGraph
+from ._ep import MetaDef as MetaDef
 from ._errors import ClosedError as ClosedError
 from ._errors import DeviceError as DeviceError
 from ._errors import EpError as EpError
@@ -21,7 +29,12 @@ from ._errors import NotImplementedByEp as NotImplementedByEp
 from ._factory import EpFactory as EpFactory
 from ._future import CopyFuture as CopyFuture
 from ._future import CopyStatus as CopyStatus
+from ._graph import GraphView as GraphView
+from ._graph import Initializer as Initializer
+from ._graph import Node as Node
+from ._graph import ValueInfo as ValueInfo
 from ._notification import Notification as Notification
+from ._session import Session as Session
 from ._stream import SyncStream as SyncStream
 from ._tensor import Buffer as Buffer
 from ._tensor import Tensor as Tensor
@@ -37,28 +50,41 @@ __version__ = "0.1.0"
 __all__ = [
     "Allocator",
     "AllocatorType",
+    "ArenaAllocator",
+    "ArenaConfig",
+    "ArenaExtendStrategy",
     "Buffer",
     "ClosedError",
+    "CompiledNode",
     "CopyFuture",
     "CopyStatus",
     "DeviceError",
     "DeviceType",
+    "Environment",
+    "Ep",
     "EpDevice",
     "EpError",
     "EpFactory",
-    "Environment",
     "ErrorCode",
+    "FusedGroup",
+    "GraphView",
     "HardwareDevice",
     "InUseError",
+    "IndexedSubGraph",
+    "Initializer",
     "InvalidArgument",
     "MemoryDevice",
     "MemoryInfo",
     "MemoryType",
+    "MetaDef",
     "NoSuchFile",
+    "Node",
     "NotImplementedByEp",
     "Notification",
+    "Session",
     "SyncStream",
     "Tensor",
+    "ValueInfo",
     "copy_tensors",
     "current_environment",
 ]

@@ -9,6 +9,10 @@ ready one driven by a worker thread) and an :class:`ExternalDataLoader`.
 """
 
 from ._allocator import Allocator as Allocator
+from ._chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
+from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
+from ._ep import CompiledNode as CompiledNode
+from ._ep import Ep as Ep
 from ._external_data import ExternalDataLoader as ExternalDataLoader
 from ._factory import EpFactory as EpFactory
 from ._factory import FactoryOptions as FactoryOptions
@@ -20,7 +24,11 @@ from ._transfer import CopyPair as CopyPair
 from ._transfer import DataTransfer as DataTransfer
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "Allocator",
+    "ChunkedExternalDataLoader",
+    "CompiledNode",
+    "Ep",
     "CopyPair",
     "DataTransfer",
     "EpFactory",
