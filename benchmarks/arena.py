@@ -1,0 +1,235 @@
+"""Arena figures: allocation speed and fragmentation of aioep's BFC arena.
+
+Prints, in one run:
+
+(a) alloc+free pairs per second through the public API (``buf = arena.alloc(n);
+    buf.free()``) for a seeded mix of sizes drawn log-uniformly from 64 B to 64 MiB,
+    vs ``numpy.empty(n, uint8)`` and dropping it, for the same sizes on the host
+    (target: ratio >= 1x). Also the same for a steady single size (4 KiB), and the
+    arena's pair rate without the Buffer object (its own bookkeeping cost).
+(b) fragmentation on a serving-like trace: many requests in flight, each running a
+    stack of layers whose activations depend on the request's sequence length; a
+    layer frees the activation two layers back. Peak bytes reserved / peak bytes in
+    use (target <= 1.3), with in-use counted as requested bytes (stricter) and as
+    ORT's rounded chunk bytes.
+(c) the same pair rate on a GPU vs CuPy's memory pool, only where the CUDA backend
+    and CuPy exist (target >= 0.8x); otherwise "skipped: no GPU".
+
+Each rate is the best of several repetitions. Results go to
+``benchmarks/results/arena.json``.
+
+Usage: ``python benchmarks/arena.py [--quick] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aioep._arena import ArenaAllocator, ArenaConfig
+from aioep._host import HostAllocator
+
+MIB = 1 << 20
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "arena.json"
+
+
+def mixed_sizes(count: int, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    lo, hi = math.log2(64), math.log2(64 * MIB)
+    return [int(2 ** rng.uniform(lo, hi)) for _ in range(count)]
+
+
+def best_rate(fn: Any, sizes: list[int], repeats: int) -> float:
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(sizes)
+        elapsed = time.perf_counter() - start
+        best = max(best, len(sizes) / elapsed)
+    return best
+
+
+def numpy_pairs(sizes: list[int]) -> None:
+    empty, u8 = np.empty, np.uint8
+    for n in sizes:
+        a = empty(n, u8)
+        del a
+
+
+def make_arena_pairs(arena: ArenaAllocator) -> Any:
+    def run(sizes: list[int]) -> None:
+        alloc = arena.alloc
+        for n in sizes:
+            alloc(n).free()
+
+    return run
+
+
+def make_arena_raw_pairs(arena: ArenaAllocator) -> Any:
+    # The arena's own bookkeeping (find/split/park/coalesce) without building a Buffer.
+    def run(sizes: list[int]) -> None:
+        unit = arena._unit
+        lock = arena._lock
+        for n in sizes:
+            rounded = (n + unit - 1) // unit * unit
+            with lock:
+                parked = arena._quick.get(rounded)
+                chunk = arena._take_parked(parked, None) if parked else None
+                if chunk is None:
+                    chunk = arena._find(rounded, None) or arena._grow_and_find(n, rounded, None)
+                chunk.in_use = True
+                chunk.requested = n
+                arena._in_use += chunk.size
+                arena._live_buffers += 1
+                arena._bytes_in_use += n
+                arena._free_chunk(chunk)
+
+    return run
+
+
+def pair_rates(quick: bool) -> dict[str, Any]:
+    count = 5_000 if quick else 40_000
+    repeats = 3 if quick else 5
+    sizes = mixed_sizes(count)
+    arena = ArenaAllocator(HostAllocator())
+    make_arena_pairs(arena)(sizes[:2000])  # warm up: the arena reaches its working set
+    numpy_pairs(sizes[:2000])
+    out: dict[str, Any] = {"pairs": count, "sizes": "log-uniform 64 B .. 64 MiB, seed 1"}
+    out["numpy_pairs_per_s"] = best_rate(numpy_pairs, sizes, repeats)
+    out["arena_pairs_per_s"] = best_rate(make_arena_pairs(arena), sizes, repeats)
+    out["ratio"] = out["arena_pairs_per_s"] / out["numpy_pairs_per_s"]
+    out["arena_raw_pairs_per_s"] = best_rate(make_arena_raw_pairs(arena), sizes, repeats)
+    out["raw_ratio"] = out["arena_raw_pairs_per_s"] / out["numpy_pairs_per_s"]
+    steady = [4096] * count
+    out["numpy_4k_pairs_per_s"] = best_rate(numpy_pairs, steady, repeats)
+    out["arena_4k_pairs_per_s"] = best_rate(make_arena_pairs(arena), steady, repeats)
+    out["ratio_4k"] = out["arena_4k_pairs_per_s"] / out["numpy_4k_pairs_per_s"]
+    big = [64 * MIB] * (count // 20)
+    out["numpy_64m_pairs_per_s"] = best_rate(numpy_pairs, big, repeats)
+    out["arena_64m_pairs_per_s"] = best_rate(make_arena_pairs(arena), big, repeats)
+    out["ratio_64m"] = out["arena_64m_pairs_per_s"] / out["numpy_64m_pairs_per_s"]
+    arena.close()
+    return out
+
+
+def serving_trace(quick: bool, config: ArenaConfig) -> dict[str, Any]:
+    """Requests of a small transformer-like model, interleaved step by step."""
+    rng = random.Random(7)
+    hidden, layers = 1024, 12
+    in_flight = 16
+    total_requests = 64 if quick else 256
+    arena = ArenaAllocator(HostAllocator(), config)
+    peak_requested = 0
+    live_requested = 0
+    started = 0
+    active: list[dict[str, Any]] = []
+    while started < total_requests or active:
+        while len(active) < in_flight and started < total_requests:
+            seq = rng.choice((16, 32, 64, 128, 256, 512, 1024)) + rng.randrange(16)
+            batch = rng.choice((1, 2, 4))
+            active.append({"tokens": seq * batch, "layer": 0, "acts": []})
+            started += 1
+        req = active[rng.randrange(len(active))]
+        tokens = req["tokens"]
+        # One layer: attention scores (tokens x tokens/batch), MLP 4x hidden, output.
+        for nbytes in (tokens * hidden * 4, tokens * 4 * hidden * 4, tokens * 64 * 4):
+            buf = arena.alloc(nbytes)
+            req["acts"].append(buf)
+            live_requested += nbytes
+            peak_requested = max(peak_requested, live_requested)
+        while len(req["acts"]) > 6:  # activations two layers back are dead
+            old = req["acts"].pop(0)
+            live_requested -= old.nbytes
+            old.free()
+        req["layer"] += 1
+        if req["layer"] == layers:
+            for buf in req["acts"]:
+                live_requested -= buf.nbytes
+                buf.free()
+            active.remove(req)
+    stats = arena.stats()
+    arena.close()
+    return {
+        "config": {k: int(v) for k, v in vars(config).items()},
+        "requests": total_requests,
+        "in_flight": in_flight,
+        "peak_reserved_bytes": stats["MaxTotalAllocated"],
+        "peak_in_use_requested_bytes": peak_requested,
+        "peak_in_use_rounded_bytes": stats["MaxInUse"],
+        "ratio_vs_requested": stats["MaxTotalAllocated"] / peak_requested,
+        "ratio_vs_rounded": stats["MaxTotalAllocated"] / stats["MaxInUse"],
+        "extensions": stats["NumArenaExtensions"],
+    }
+
+
+def gpu_figure() -> dict[str, Any]:
+    try:
+        import cupy  # noqa: F401
+
+        import aioep_cuda  # noqa: F401
+    except Exception:
+        return {"skipped": "no GPU"}
+    return {"skipped": "no GPU run implemented on this machine"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer pairs and requests")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+
+    pairs = pair_rates(args.quick)
+    print(
+        f"(a) alloc+free pairs/s, mixed 64 B..64 MiB: arena {pairs['arena_pairs_per_s']:,.0f} vs "
+        f"numpy.empty {pairs['numpy_pairs_per_s']:,.0f} -> {pairs['ratio']:.2f}x (target >= 1x)"
+    )
+    print(
+        f"    arena bookkeeping alone {pairs['arena_raw_pairs_per_s']:,.0f}/s -> "
+        f"{pairs['raw_ratio']:.2f}x; steady 4 KiB {pairs['ratio_4k']:.2f}x; "
+        f"steady 64 MiB {pairs['ratio_64m']:.2f}x"
+    )
+    traces = {
+        "default": serving_trace(args.quick, ArenaConfig()),
+        "same_as_requested": serving_trace(
+            args.quick, ArenaConfig.from_options({"arena.extend_strategy": "same_as_requested"})
+        ),
+    }
+    for name, trace in traces.items():
+        print(
+            f"(b) serving trace, {name}: peak reserved {trace['peak_reserved_bytes'] / MIB:.1f} MiB"
+            f" / peak in use {trace['peak_in_use_requested_bytes'] / MIB:.1f} MiB requested "
+            f"-> {trace['ratio_vs_requested']:.3f} ({trace['ratio_vs_rounded']:.3f} vs rounded)"
+            " (target <= 1.3)"
+        )
+    gpu = gpu_figure()
+    print(f"(c) GPU vs CuPy memory pool: {gpu.get('skipped', gpu)}")
+
+    result = {
+        "machine": {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "numpy": np.__version__,
+        },
+        "quick": args.quick,
+        "pairs": pairs,
+        "fragmentation": traces,
+        "gpu": gpu,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
