@@ -21,7 +21,7 @@ __all__ = ["HOST_MEMORY_INFO", "Buffer", "Tensor", "as_tensor"]
 HOST_MEMORY_INFO = MemoryInfo("Cpu", HOST_MEMORY_DEVICE, alignment=64)
 
 # DLPack device type codes (dlpack.h): what __dlpack_device__ reports.
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_EXT_DEV = 1, 2, 3, 12
+_DL_CPU, _DL_CUDA, _DL_EXT_DEV = 1, 2, 12
 NVIDIA_VENDOR_ID = 0x10DE
 
 
@@ -282,11 +282,11 @@ class Tensor:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         dev = self.device
-        if dev.device_type is DeviceType.CPU:
+        if dev.is_host_accessible:
+            # Host and pinned memory are exported through numpy, which reports kDLCPU.
             return (_DL_CPU, 0)
         if dev.vendor_id == NVIDIA_VENDOR_ID and dev.device_type is DeviceType.GPU:
-            code = _DL_CUDA if dev.memory_type.value == "default" else _DL_CUDA_HOST
-            return (code, dev.device_id if code == _DL_CUDA else 0)
+            return (_DL_CUDA, dev.device_id)
         return (_DL_EXT_DEV, dev.device_id)
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:

@@ -203,3 +203,19 @@ async def test_dropping_the_tensor_frees_its_buffer() -> None:
         gc.collect()
         assert alloc.stats()["InUse"] == before["InUse"]
         assert alloc.stats()["NumAllocs"] == before["NumAllocs"] + 1
+
+
+def test_pinned_memory_dlpack_device_matches_its_export() -> None:
+    # Pinned (HOST_ACCESSIBLE) memory of a GPU is exported through numpy, so the
+    # device it reports must be the CPU, or consumers would read it as device memory.
+    host = np.arange(6, dtype=np.float32)
+    pinned_info = aioep.MemoryInfo(
+        "CudaPinned",
+        aioep.MemoryDevice(aioep.DeviceType.GPU, aioep.MemoryType.HOST_ACCESSIBLE, 0x10DE, 0),
+    )
+    buffer = aioep.Buffer(host.ctypes.data, host.nbytes, pinned_info, owner=host)
+    tensor = aioep.Tensor(buffer, (6,), np.float32)
+    assert tensor.__dlpack_device__() == (1, 0)
+    view = np.from_dlpack(tensor)
+    assert np.shares_memory(view, host)
+    np.testing.assert_array_equal(view, host)
