@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._allocator import Allocator
-from ._errors import ClosedError, DeviceError, EpError, InvalidArgument
+from ._errors import ClosedError, DeviceError, EpError, InUseError, InvalidArgument
 from ._tensor import Buffer
 from ._types import AllocatorType
 
@@ -42,8 +42,13 @@ NUM_BINS = 21  # bin i holds free chunks of [256 << i, 256 << (i + 1)); the last
 SIZE_MAX = (1 << 64) - 1  # ORT's "no limit" (std::numeric_limits<size_t>::max())
 _bisect_left = bisect.bisect_left
 _insort = bisect.insort
-_BACKPEDAL = 0.9
-_MAX_PARKED = 64  # freed chunks parked before coalescing (see ArenaAllocator._quick)  # on a base-allocator failure, retry an extension this much smaller
+_BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
+_MAX_PARKED = 64  # freed chunks parked before coalescing (see ArenaAllocator._quick)
+# Size classes: above 16 units (4 KiB for 256-byte units) a request rounds up to one of
+# 8 classes per power of two (at most 12.5% more), so freed chunks of nearby sizes are
+# interchangeable and a recurring size is a dict lookup (PyTorch's roundup_power2_divisions).
+_CLASS_BITS = 3
+_CLASS_SHIFT = _CLASS_BITS + 1
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -210,6 +215,7 @@ def _parse_int(key: str, raw: Any, unsigned: bool) -> int:
 
 class _Chunk:
     __slots__ = (
+        "cls",
         "in_use",
         "next",
         "prev",
@@ -229,6 +235,7 @@ class _Chunk:
         self.in_use = False
         self.quick = False  # free, parked in the quick list (not binned, not yet coalesced)
         self.requested = 0
+        self.cls = size  # the size class it was last handed out for (its park key)
         self.prev: _Chunk | None = None
         self.next: _Chunk | None = None
         self.stream: SyncStream | None = None
@@ -236,39 +243,51 @@ class _Chunk:
 
 
 class _Region:
-    __slots__ = ("buffer", "head", "reserved", "size")
+    __slots__ = ("buffer", "head", "owner", "reserved", "size")
 
     def __init__(self, buffer: Buffer, reserved: bool) -> None:
         self.buffer = buffer
+        self.owner = buffer._owner
         self.size = buffer.nbytes
         self.reserved = reserved  # a dedicated region from reserve(): never split or reused
         self.head = _Chunk(buffer.ptr, buffer.nbytes, self)
 
 
-class _Release:
-    """The buffer's finalizer: cheaper than weakref.finalize on the alloc/free hot path."""
-
-    __slots__ = ("alive", "arena", "chunk")
-
-    def __init__(self, arena: ArenaAllocator, chunk: _Chunk) -> None:
-        self.alive = True
-        self.arena = arena
-        self.chunk = chunk
-
-    def __call__(self) -> None:
-        if self.alive:
-            self.alive = False
-            self.arena._release_chunk(self.chunk)
+_PIN_LOCK = threading.Lock()  # guards the pin counts of arena buffers (held for an increment)
+_new_buffer = object.__new__
 
 
 class _ArenaBuffer(Buffer):
-    __slots__ = ()
+    """An arena buffer: released by ``__del__`` (no ``weakref.finalize``) or :meth:`free`.
+
+    ``_chunk`` is the arena chunk while the buffer holds it; the arena clears it under
+    its lock, so a buffer is released exactly once whichever way comes first.
+    """
+
+    __slots__ = ("_chunk",)
+    _chunk: _Chunk | None
+
+    @property
+    def freed(self) -> bool:
+        return self._released or self._chunk is None
+
+    def free(self) -> None:
+        # Reading _pins without the lock is safe: a concurrent _pin either comes first
+        # (the count is seen) or after the release, as with Buffer's lock.
+        if self._pins:
+            raise InUseError(
+                f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
+                f"used by {self._pins} operation(s) in flight; await them before freeing"
+            )
+        self._released = True
+        if self._chunk is not None:
+            self.allocator._release_buffer(self)  # type: ignore[union-attr]
+        self._owner = None
 
     def __del__(self) -> None:
-        release = self._finalizer
-        if release is not None and release.alive:
+        if self._chunk is not None:
             try:
-                release()
+                self.allocator._release_buffer(self)  # type: ignore[union-attr]
             except Exception:  # pragma: no cover - nothing can be raised from a finalizer
                 pass
 
@@ -302,7 +321,9 @@ class ArenaAllocator(Allocator):
         self.config = config
         self._limit = config.limit
         self._max_dead = config.max_dead_bytes_per_chunk
-        self._unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
+        self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
+        # Size classes need a power-of-two unit; otherwise every size is its own class.
+        self._class_from = unit << (_CLASS_BITS + 1) if unit & (unit - 1) == 0 else SIZE_MAX
         self._curr_region_bytes = self._round(min(self._limit, config.initial_chunk_size_bytes))
         self._bins: list[list[tuple[int, int, _Chunk]]] = [[] for _ in range(NUM_BINS)]
         self._nonempty = 0  # bit i set <=> bin i has a free chunk
@@ -346,48 +367,66 @@ class ArenaAllocator(Allocator):
                 return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
         if self._closed or self._retired:
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")
-        unit = self._unit
-        rounded = (nbytes + unit - 1) // unit * unit
-        with self._lock:
-            self._busy = True
-            try:
-                chunk = None
-                parked = self._quick.get(rounded)
-                if parked:
+        # The size class: 256-byte units up to 16 units, then 8 classes per power of two
+        # (see _size_class); inlined, as this is the hot path.
+        if nbytes > self._class_from:
+            step = 1 << ((nbytes - 1).bit_length() - _CLASS_SHIFT)
+            rounded = (nbytes + step - 1) & -step
+        else:
+            unit = self._unit
+            rounded = (nbytes + unit - 1) // unit * unit
+        lock = self._lock
+        lock.acquire()
+        self._busy = True
+        try:
+            chunk = None
+            parked = self._quick.get(rounded)
+            if parked:
+                if len(parked) == 1 and (parked[0].stream is None or parked[0].stream is stream):
+                    chunk = parked.pop()
+                    chunk.quick = False
+                    self._quick_count -= 1
+                else:  # the lowest usable address, as best fit would pick
                     chunk = self._take_parked(parked, stream)
+            if chunk is None:
+                chunk = self._find(rounded, stream)
                 if chunk is None:
-                    chunk = self._find(rounded, stream)
-                    if chunk is None:
-                        chunk = self._grow_and_find(nbytes, rounded, stream)
-                chunk.in_use = True
-                chunk.requested = nbytes
-                chunk.stream = stream
-                size = chunk.size
-                self._in_use = in_use = self._in_use + size
-                if in_use > self._max_in_use:
-                    self._max_in_use = in_use
-                if size > self._max_alloc_size:
-                    self._max_alloc_size = size
-                self._live_buffers += 1
-                self._num_allocs += 1
-                self._bytes_in_use = requested = self._bytes_in_use + nbytes
-                if requested > self._peak_bytes_in_use:
-                    self._peak_bytes_in_use = requested
-            finally:
-                if self._deferred:
-                    self._end_section()
-                self._busy = False
-        buffer = _ArenaBuffer(
-            chunk.ptr,
-            nbytes,
-            self.memory_info,
-            allocator=self,
-            # Views of host memory keep the region's backing object alive, so reading a
-            # freed buffer through a view never touches unmapped memory.
-            owner=chunk.region.buffer._owner,
-            stream=stream,
-        )
-        buffer._finalizer = _Release(self, chunk)  # type: ignore[assignment]
+                    chunk = self._grow_and_find(nbytes, rounded, stream)
+            chunk.in_use = True
+            chunk.requested = nbytes
+            chunk.stream = stream
+            chunk.cls = rounded
+            size = chunk.size
+            self._in_use = in_use = self._in_use + size
+            if in_use > self._max_in_use:
+                self._max_in_use = in_use
+            if size > self._max_alloc_size:
+                self._max_alloc_size = size
+            self._live_buffers += 1
+            self._num_allocs += 1
+            self._bytes_in_use = requested = self._bytes_in_use + nbytes
+            if requested > self._peak_bytes_in_use:
+                self._peak_bytes_in_use = requested
+        finally:
+            if self._deferred:
+                self._end_section()
+            self._busy = False
+            lock.release()
+        buffer = _new_buffer(_ArenaBuffer)
+        buffer.ptr = chunk.ptr
+        buffer.nbytes = nbytes
+        buffer.memory_info = self.memory_info
+        buffer.allocator = self
+        buffer.readonly = False
+        buffer.stream = stream
+        # Views of host memory keep the region's backing object alive, so reading a freed
+        # buffer through a view never touches unmapped memory.
+        buffer._owner = chunk.region.owner
+        buffer._pins = 0
+        buffer._released = False
+        buffer._pin_lock = _PIN_LOCK
+        buffer._finalizer = None
+        buffer._chunk = chunk
         return buffer
 
     def _take_parked(self, parked: list[_Chunk], stream: SyncStream | None) -> _Chunk | None:
@@ -544,6 +583,13 @@ class ArenaAllocator(Allocator):
         self._maybe_retire_base()
 
     # -- internals ---------------------------------------------------------------------------
+    def _size_class(self, nbytes: int) -> int:
+        """The chunk size a request of ``nbytes`` (> 0) gets (as :meth:`alloc` inlines it)."""
+        if nbytes > self._class_from:
+            step = 1 << ((nbytes - 1).bit_length() - _CLASS_SHIFT)
+            return (nbytes + step - 1) & -step
+        return self._round(nbytes)
+
     def _round(self, nbytes: int) -> int:
         unit = self._unit
         return (nbytes + unit - 1) // unit * unit
@@ -561,15 +607,18 @@ class ArenaAllocator(Allocator):
             self._peak_bytes_in_use = self._bytes_in_use
 
     def _make_buffer(self, chunk: _Chunk, stream: SyncStream | None) -> Buffer:
-        buffer = _ArenaBuffer(
+        buffer = _new_buffer(_ArenaBuffer)
+        Buffer.__init__(
+            buffer,
             chunk.ptr,
             chunk.requested,
             self.memory_info,
             allocator=self,
-            owner=chunk.region.buffer._owner,
+            owner=chunk.region.owner,
             stream=stream,
         )
-        buffer._finalizer = _Release(self, chunk)  # type: ignore[assignment]
+        buffer._pin_lock = _PIN_LOCK
+        buffer._chunk = chunk
         return buffer
 
     def _end_section(self) -> None:
@@ -667,16 +716,13 @@ class ArenaAllocator(Allocator):
             chunk = self._find(rounded, stream)
             if chunk is not None:
                 return chunk
-        try:
-            self._extend(nbytes, rounded)
-        except DeviceError:
-            # Free regions of the wrong size are in the way: give them back and retry once.
-            gone = self._take_free_regions()
-            if not gone:
-                raise
+        # Wholly free regions did not fit the request (regions never coalesce with each
+        # other): give them back before extending, so the new region does not add to them.
+        gone = self._take_free_regions()
+        if gone:
             self._num_shrinkages += len(gone)
             self._free_regions(gone)
-            self._extend(nbytes, rounded)
+        self._extend(nbytes, rounded)
         chunk = self._find(rounded, stream)
         if chunk is None:  # pragma: no cover - a fresh region always fits
             raise DeviceError(f"arena {self.memory_info.name!r}: no chunk after extending")
@@ -744,8 +790,34 @@ class ArenaAllocator(Allocator):
             f"{self._reserved_bytes} reserved, largest free block {self._largest_free()} bytes"
         )
 
+    def _release_buffer(self, buffer: _ArenaBuffer) -> None:
+        """An arena buffer was freed or dropped (from any thread): return its chunk once."""
+        lock = self._lock
+        lock.acquire()
+        chunk = buffer._chunk
+        if chunk is None:  # another thread released it meanwhile
+            lock.release()
+            return
+        buffer._chunk = None
+        if self._busy or self._watch or self._retired or self._closed:
+            lock.release()
+            self._release_chunk(chunk)
+            return
+        # The hot path: no section of this thread is running (else _busy), nothing to
+        # watch or close.
+        self._busy = True
+        try:
+            gone = self._free_chunk(chunk)
+        finally:
+            if self._deferred:
+                self._end_section()
+            self._busy = False
+            lock.release()
+        if gone is not None:
+            self._free_regions([gone])
+
     def _release_chunk(self, chunk: _Chunk) -> None:
-        """A buffer was freed (from any thread)."""
+        """Return a chunk whose buffer was freed (from any thread)."""
         with self._lock:
             if self._busy:
                 self._deferred.append(chunk)  # a finalizer inside our own locked section
@@ -793,9 +865,9 @@ class ArenaAllocator(Allocator):
             return None
         if not self._closed:
             chunk.quick = True
-            parked = self._quick.get(chunk.size)
+            parked = self._quick.get(chunk.cls)
             if parked is None:
-                self._quick[chunk.size] = [chunk]
+                self._quick[chunk.cls] = [chunk]
             else:
                 parked.append(chunk)
             self._quick_count += 1

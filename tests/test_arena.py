@@ -715,3 +715,56 @@ async def test_sim_cross_stream_reuse_races_without_the_wait_and_the_arena_avoid
         waited, same = await scenario("wait")
         assert same
         assert (waited == 1).all()
+
+
+def test_wholly_free_regions_are_given_back_before_extending() -> None:
+    a = arena(extend_strategy=ArenaExtendStrategy.SAME_AS_REQUESTED)
+    keep = a.alloc(MiB)
+    a.alloc(2 * MiB).free()  # a wholly free 2 MiB region that cannot serve 3 MiB
+    assert sorted(size for _, size in a.regions()) == [MiB, 2 * MiB]
+    big = a.alloc(3 * MiB)
+    assert sorted(size for _, size in a.regions()) == [MiB, 3 * MiB]
+    assert a.stats()["MaxTotalAllocated"] == 4 * MiB  # never 1 + 2 + 3 MiB at once
+    assert a.stats()["NumArenaShrinkages"] == 1
+    del keep, big
+
+
+def test_a_region_a_stream_may_still_use_is_kept_when_extending() -> None:
+    a = arena(extend_strategy=ArenaExtendStrategy.SAME_AS_REQUESTED)
+    s1 = mock_stream()
+    a.alloc(2 * MiB, stream=s1).free()  # s1 has not passed the work that used it
+    big = a.alloc(3 * MiB)
+    assert sorted(size for _, size in a.regions()) == [2 * MiB, 3 * MiB]
+    del big
+
+
+def test_size_classes_bound_the_rounding_and_make_nearby_sizes_reuse() -> None:
+    a = arena()
+    for n in (1, 255, 257, 4096, 5000, 4097, 3 * MiB + 1, 64 * MiB - 1):
+        c = a._size_class(n)
+        assert c >= n
+        assert c % 256 == 0
+        assert c - n < max(256, n // 8 + 1)  # at most 12.5% (or one 256-byte unit) more
+    buf = a.alloc(3 * MiB + 1000)
+    ptr, chunk_bytes = buf.ptr, a.stats()["InUse"]
+    buf.free()
+    other = a.alloc(3 * MiB + 5000)  # same class: the parked chunk is reused as is
+    assert other.ptr == ptr
+    assert a.stats()["InUse"] == chunk_bytes
+
+
+def test_arena_buffer_free_is_idempotent_pinned_and_released_on_drop() -> None:
+    a = arena()
+    buf = a.alloc(1000)
+    buf._pin()
+    with pytest.raises(aioep.InUseError):
+        buf.free()
+    buf._unpin()
+    assert not buf.freed
+    buf.free()
+    buf.free()
+    assert buf.freed
+    assert a.live_buffers == 0
+    a.alloc(1000)  # dropped at once
+    assert a.live_buffers == 0
+    assert a.stats()["InUse"] == 0
