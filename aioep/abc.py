@@ -4,7 +4,8 @@ A backend is an :class:`EpFactory` subclass registered in the entry-point group
 ``aioep.backends``. It offers :class:`aioep.EpDevice` objects, an
 :class:`Allocator` per memory info, optionally a :class:`DataTransfer`, streams
 (:class:`StreamImpl` / :class:`NotificationImpl`; :class:`ThreadStream` is a
-ready one driven by a worker thread) and an :class:`ExternalDataLoader`.
+ready one driven by a worker thread; :class:`HostAllocator` is a ready allocator of
+aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an :class:`ExternalDataLoader`.
 ``backends/sim`` is the reference implementation to copy.
 """
 
@@ -16,6 +17,7 @@ from ._ep import Ep as Ep
 from ._external_data import ExternalDataLoader as ExternalDataLoader
 from ._factory import EpFactory as EpFactory
 from ._factory import FactoryOptions as FactoryOptions
+from ._host import HostAllocator as HostAllocator
 from ._stream_impl import HostNotification as HostNotification
 from ._stream_impl import NotificationImpl as NotificationImpl
 from ._stream_impl import StreamImpl as StreamImpl
@@ -34,6 +36,7 @@ __all__ = [
     "EpFactory",
     "ExternalDataLoader",
     "FactoryOptions",
+    "HostAllocator",
     "HostNotification",
     "NotificationImpl",
     "StreamImpl",

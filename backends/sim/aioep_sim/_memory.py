@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from aioep import DeviceError
-from aioep.abc import Allocator
+from aioep.abc import Allocator, HostAllocator
 
 if TYPE_CHECKING:
     from aioep import MemoryInfo, SyncStream
@@ -155,29 +155,9 @@ class SimAllocator(Allocator):
         return out
 
 
-class PinnedAllocator(Allocator):
-    """Host memory the sim device can reach directly (HOST_ACCESSIBLE, like cudaHostAlloc)."""
+class PinnedAllocator(HostAllocator):
+    """Host memory the sim device can reach directly (HOST_ACCESSIBLE, like cudaHostAlloc).
 
-    def __init__(self, memory_info: MemoryInfo) -> None:
-        super().__init__(memory_info)
-        self._blocks: dict[int, npt.NDArray[Any]] = {}
-        self._blocks_lock = threading.Lock()
-
-    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
-        align = self.memory_info.alignment
-        try:
-            raw = np.empty(nbytes + align - 1, dtype=np.uint8)
-        except MemoryError as exc:
-            raise DeviceError(
-                f"sim pinned allocator {self.memory_info.name!r}: out of host memory "
-                f"allocating {nbytes} bytes"
-            ) from exc
-        base = int(raw.__array_interface__["data"][0])
-        ptr = (base + align - 1) & ~(align - 1)
-        with self._blocks_lock:
-            self._blocks[ptr] = raw
-        return ptr
-
-    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        with self._blocks_lock:
-            self._blocks.pop(ptr, None)
+    Aligned host blocks, exactly as the core's host allocator hands them out: a
+    numpy view of a buffer keeps its block alive even after an explicit free.
+    """
