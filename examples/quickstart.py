@@ -28,14 +28,17 @@ async def main() -> None:
         print("EP devices:")
         for dev in env.ep_devices():
             infos = ", ".join(info.name for info in dev.memory_infos)
-            print(f"  {dev.ep_name:<24} {dev.hardware.type.name:<4} {dev.hardware.vendor:<10} [{infos}]")
+            print(
+                f"  {dev.ep_name:<24} {dev.hardware.type.name:<4} {dev.hardware.vendor:<10} [{infos}]"
+            )
         if env.load_errors:
             print("Backends that offer nothing here:", env.load_errors)
 
         gpus = env.ep_devices(device_type=aioep.DeviceType.GPU)
         if not gpus:
-            raise SystemExit("no accelerator found: install the simulated one with "
-                             "'pip install -e backends/sim'")
+            raise SystemExit(
+                "no accelerator found: install the simulated one with 'pip install -e backends/sim'"
+            )
         dev = gpus[0]
         device_memory = dev.memory_info(aioep.MemoryType.DEFAULT)
         assert device_memory is not None
@@ -43,7 +46,9 @@ async def main() -> None:
         host = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
         on_device = env.empty(host.shape, host.dtype, device_memory)
         back = np.empty_like(host)
-        print(f"\nTensor: {host.shape} {host.dtype}, {host.nbytes / 2**20:.1f} MiB on {dev.ep_name}")
+        print(
+            f"\nTensor: {host.shape} {host.dtype}, {host.nbytes / 2**20:.1f} MiB on {dev.ep_name}"
+        )
 
         async with env.create_sync_stream(dev) as upload, env.create_sync_stream(dev) as download:
             t0 = time.perf_counter()
