@@ -61,11 +61,11 @@ def test_bad_options_are_invalid_argument(options: dict[str, Any], fragment: str
 
 
 def test_good_options_parse() -> None:
-    opts = CudaOptions.from_mapping(
+    opts = CudaOptions.from_options(
         {"allocator": "sync", "wake": "poll", "pool_release_threshold": "1024"}
     )
     assert opts == CudaOptions(allocator="sync", wake="poll", pool_release_threshold=1024)
-    assert CudaOptions.from_mapping(None) == CudaOptions()
+    assert CudaOptions.from_options(None) == CudaOptions()
 
 
 async def test_bad_option_through_environment_is_recorded() -> None:

@@ -47,7 +47,7 @@ class CudaOptions:
     pool_release_threshold: int = -1
 
     @classmethod
-    def from_mapping(cls, options: FactoryOptions | None) -> CudaOptions:
+    def from_options(cls, options: FactoryOptions | None) -> CudaOptions:
         """Validate ``options``; an unknown key or a bad value is an :class:`InvalidArgument`."""
         opts = dict(options or {})
         unknown = sorted(set(opts) - {"allocator", "wake", "pool_release_threshold"})
@@ -96,7 +96,7 @@ class CudaFactory(EpFactory):
     version = "0.1.0"
 
     def __init__(self, options: FactoryOptions | None = None) -> None:
-        self.options = CudaOptions.from_mapping(options)
+        self.options = CudaOptions.from_options(options)
         self.devices: dict[int, CudaDevice] = {}
         self.dispatcher: Dispatcher | None = None
         self._closed = False

@@ -31,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from aioep import ClosedError
+
 __all__ = ["Check", "Dispatcher", "Semaphore", "libc"]
 
 Check = Callable[[], bool]
@@ -157,7 +159,7 @@ class Dispatcher:
         """Add a waiter whose host function is enqueued on stream ``key`` (after this call)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"dispatcher {self.name} is closed")
+                raise ClosedError(f"CUDA wake dispatcher {self.name!r} is closed")
             self._ordered.setdefault(key, collections.deque()).append(check)
             self._ensure_thread()
 
@@ -165,7 +167,7 @@ class Dispatcher:
         """Add a waiter that no host function will announce: it is polled with backoff."""
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"dispatcher {self.name} is closed")
+                raise ClosedError(f"CUDA wake dispatcher {self.name!r} is closed")
             self._polled.append(check)
             self._reset_delay = True
             self._ensure_thread()
