@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aioep
 from aioep._host import HostAllocator
 from aioep._types import HOST_MEMORY_DEVICE
 from aioep.abc import Allocator, CopyPair, DataTransfer, EpFactory, StreamImpl, ThreadStream
+
+MakeEnv = Callable[..., Awaitable[aioep.Environment]]
+"""The ``make_env`` fixture (conftest.py): ``await make_env(**sim_options)`` opens an
+environment with the sim backend registered."""
 
 FAKE_VENDOR_ID = 0xBE57
 FAKE_DEVICE = aioep.MemoryDevice(aioep.DeviceType.GPU, aioep.MemoryType.DEFAULT, FAKE_VENDOR_ID, 0)

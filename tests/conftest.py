@@ -1,8 +1,13 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from _factories import MakeEnv
+
+import aioep
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -16,3 +21,22 @@ def _collect_garbage() -> None:
     # Buffers free themselves when dropped; collect cycles so one test's leftovers
     # never show up as "live buffers" in the next.
     gc.collect()
+
+
+@pytest.fixture
+async def make_env() -> AsyncIterator[MakeEnv]:
+    """Open an environment with the sim registered; it closes after the test's locals are gone."""
+    from aioep_sim import SimFactory  # only the tests that use this fixture need the sim
+
+    envs: list[aioep.Environment] = []
+
+    async def make(**options: Any) -> aioep.Environment:
+        env = await aioep.Environment(autoload=False).__aenter__()
+        envs.append(env)
+        env.register_library("sim", SimFactory, options or None)
+        return env
+
+    yield make
+    gc.collect()
+    for env in reversed(envs):
+        await env.aclose()

@@ -5,39 +5,18 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from _factories import MakeEnv
 
 import aioep
 from aioep import DeviceType, MemoryType
 from aioep.abc import EpFactory, HostNotification
-from aioep_sim import SimFactory
 
 pytestmark = pytest.mark.anyio
-
-
-MakeEnv = Callable[..., Awaitable[aioep.Environment]]
-
-
-@pytest.fixture
-async def make_env() -> AsyncIterator[MakeEnv]:
-    """Open an environment with the sim registered; it closes after the test's locals are gone."""
-    envs: list[aioep.Environment] = []
-
-    async def make(**options: Any) -> aioep.Environment:
-        env = await aioep.Environment(autoload=False).__aenter__()
-        envs.append(env)
-        env.register_library("sim", SimFactory, options or None)
-        return env
-
-    yield make
-    gc.collect()
-    for env in reversed(envs):
-        await env.aclose()
 
 
 def sim_device(env: aioep.Environment, i: int = 0) -> aioep.EpDevice:
