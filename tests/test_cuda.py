@@ -341,6 +341,22 @@ async def test_discovery(env: aioep.Environment) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+async def test_pinned_view_outlives_an_explicit_free(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    pinned = env.empty((1 << 16,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    view = pinned.numpy()
+    view[...] = 7
+    pinned.buffer.free()
+    del pinned
+    gc.collect()
+    # The view still owns the cuMemHostAlloc block: using it after the free is safe.
+    view[...] = 9
+    assert (view == 9).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
 async def test_alloc_and_oom_message(env: aioep.Environment, gpu: aioep.EpDevice) -> None:
     t = env.empty((1024,), "float32", _mem(gpu))
     assert t.data_ptr

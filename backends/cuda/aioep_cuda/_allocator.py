@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from aioep import DeviceError
+from aioep import Buffer, DeviceError
 from aioep.abc import Allocator
 
 from ._driver import check, ctx_current, driver, error_name
@@ -108,12 +108,35 @@ class CudaDeviceAllocator(Allocator):
         return f"<CudaDeviceAllocator {self.mode} device={self.device.ordinal} live={self.live_buffers}>"
 
 
+class _PinnedBlock:
+    """Owns one ``cuMemHostAlloc`` block and frees it when the last reference goes.
+
+    The buffer and every numpy view of it hold the block, so an explicit
+    ``buffer.free()`` never unmaps memory a view can still read.
+    """
+
+    __slots__ = ("ctx", "ptr")
+
+    def __init__(self, ptr: int, ctx: Any) -> None:
+        self.ptr = ptr
+        self.ctx = ctx
+
+    def __del__(self) -> None:
+        try:
+            with ctx_current(self.ctx):
+                driver().cuMemFreeHost(self.ptr)
+        except Exception:  # a finalizer: never raise
+            pass
+
+
 class CudaPinnedAllocator(Allocator):
     """Page-locked host memory (``cuMemHostAlloc``, portable and device-mapped)."""
 
     def __init__(self, device: CudaDevice) -> None:
         super().__init__(device.pinned_info)
         self.device = device
+        self._blocks: dict[int, _PinnedBlock] = {}
+        self._blocks_lock = threading.Lock()
 
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
         drv = driver()
@@ -125,11 +148,18 @@ class CudaPinnedAllocator(Allocator):
                 f"CUDA pinned allocator (device {self.device.ordinal}): cuMemHostAlloc of "
                 f"{nbytes} bytes failed with {error_name(err)}"
             )
+        with self._blocks_lock:
+            self._blocks[int(ptr)] = _PinnedBlock(int(ptr), self.device.ctx)
         return int(ptr)
 
+    def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
+        buffer = super().alloc(nbytes, stream=stream)
+        with self._blocks_lock:
+            buffer._owner = self._blocks.get(buffer.ptr)
+        return buffer
+
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        try:
-            with ctx_current(self.device.ctx):
-                driver().cuMemFreeHost(ptr)
-        except Exception:
-            pass
+        # The memory goes back to the driver when the block's last holder (the buffer or a
+        # numpy view of it) is gone.
+        with self._blocks_lock:
+            self._blocks.pop(ptr, None)

@@ -45,17 +45,17 @@ def load_driver() -> Any:
         try:
             from cuda.bindings import driver as drv
         except ImportError as exc:  # pragma: no cover - a dependency of the distribution
-            raise RuntimeError(f"cuda-bindings is not installed ({exc})") from exc
+            raise DeviceError(f"cuda-bindings is not installed ({exc})") from exc
         try:
             result = drv.cuInit(0)
         except Exception as exc:  # cuda-pathfinder raises when libcuda.so.1 is missing
-            raise RuntimeError(
+            raise DeviceError(
                 f"the NVIDIA driver library (libcuda.so.1) could not be loaded: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         err = result[0]
         if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuInit failed with {_name(drv, err)}")
+            raise DeviceError(f"cuInit failed with {_name(drv, err)}")
         _driver = drv
         return drv
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-from aioep import ClosedError
+from aioep import ClosedError, DeviceError
 
 __all__ = ["Check", "Dispatcher", "Semaphore", "libc"]
 
@@ -74,7 +74,7 @@ class Semaphore:
         self.address = ctypes.addressof(buf)
         if libc.sem_init(self.address, 0, 0) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"sem_init failed: {os.strerror(err)}")
+            raise DeviceError(f"CUDA wake semaphore: sem_init failed: {os.strerror(err)}")
         _KEEP.append(buf)
 
     def post(self) -> None:
