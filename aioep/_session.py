@@ -12,9 +12,11 @@ inputs are on the host.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
@@ -156,6 +158,7 @@ class Session:
         "_env",
         "_eps",
         "_executor",
+        "_held",
         "_idle",
         "_input_specs",
         "_state",
@@ -169,6 +172,7 @@ class Session:
     _direct: _Step | None
     _eps: list[Ep]
     _executor: ThreadPoolExecutor | None
+    _held: list[tuple[list[Notification], object]]
     _input_specs: tuple[tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None], ...]
     _steps: list[_Step]
     _streams: dict[str, SyncStream]
@@ -195,6 +199,7 @@ class Session:
         self._active = 0
         self._idle = None
         self._executor = None
+        self._held = []
         self._direct = None
         self._input_specs = tuple((i.name, i.dtype, i.shape) for i in graph.inputs)
         self.assignment = ()
@@ -349,12 +354,18 @@ class Session:
         if self._direct is not None and stream is None:
             feeds = self._host_feeds(inputs)
         values = self._bind_inputs(inputs, user_ready, stream) if feeds is None else {}
+        placed: dict[tuple[str, MemoryDevice], _Value] = {}
         self._active += 1
         try:
             if feeds is not None:
                 assert self._direct is not None
                 return await self._run_direct(self._direct, feeds)
-            return await self._run(values, streams, stream, output_location)
+            return await self._run(values, placed, streams, stream, output_location)
+        except BaseException:
+            # Cancelled or failed midway: kernels and copies may still be queued on the
+            # streams; their tensors must outlive them.
+            self._hold_until_passed(streams.values(), (values, placed))
+            raise
         finally:
             self._active -= 1
             if self._active == 0 and self._idle is not None:
@@ -400,12 +411,12 @@ class Session:
     async def _run(
         self,
         values: dict[str, _Value],
+        placed: dict[tuple[str, MemoryDevice], _Value],
         streams: Mapping[str, SyncStream],
         user_stream: SyncStream | None,
         output_location: str,
     ) -> dict[str, Tensor]:
         env = self._env
-        placed: dict[tuple[str, MemoryDevice], _Value] = {}
         tails: dict[SyncStream, Notification] = {}
         for step in self._steps:
             part = step.partition
@@ -478,9 +489,7 @@ class Session:
                     await value.ready
             if tails:
                 # Keep the run's tensors alive until every stream has passed this run's work.
-                keep: list[Any] = [values, placed]
-                last = user_stream.record()
-                last.impl.add_done_callback(keep.clear)
+                self._hold_until_passed([user_stream], (values, placed))
         return {name: result[name] for name in self.output_names}
 
     def _bind_inputs(
@@ -591,6 +600,29 @@ class Session:
         await wait_for(register, fut.done)
         return fut.result()
 
+    def _hold_until_passed(self, streams: Iterable[SyncStream], keep: object) -> None:
+        """Keep ``keep`` (a run's tensors) alive until every stream has passed the work
+        enqueued on it so far; released from the backend's thread when it calls back."""
+        self._held = [(notes, k) for notes, k in self._held if not all(n.done() for n in notes)]
+        notes = [s.record() for s in set(streams) if not s.closed]
+        if not notes:
+            return
+        holder: list[object] = [keep]
+        left = [len(notes)]
+        lock = threading.Lock()
+
+        def passed() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    holder.clear()
+
+        for note in notes:
+            if not note.impl.add_done_callback(passed):
+                # This backend cannot call back: hold until a later run or aclose() sees it done.
+                self._held.append((notes, keep))
+                return
+
     # -- lifecycle -------------------------------------------------------------------------
     async def aclose(self) -> None:
         """Wait for runs in flight, then close the session's streams and release its EPs;
@@ -605,6 +637,11 @@ class Session:
             for stream in self._streams.values():
                 await stream.aclose()
             self._streams.clear()
+            for notes, _ in self._held:
+                for note in notes:
+                    with contextlib.suppress(Exception):
+                        await note
+            self._held.clear()
             for step in self._steps:
                 if step.compiled is not None:
                     step.compiled.release()

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -20,7 +24,7 @@ from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # 
 from aioep._graph import GraphView  # noqa: E402
 from aioep._host import HostAllocator  # noqa: E402
 from aioep._tensor import HOST_MEMORY_INFO  # noqa: E402
-from aioep.abc import EpFactory  # noqa: E402
+from aioep.abc import EpFactory, ThreadStream  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -506,3 +510,83 @@ async def test_ort_plugin_ep_delegates_to_onnxruntime() -> None:
             assert sess.assignment == ("t", "OrtCpu", "t", "OrtCpu", "OrtCpu", "OrtCpu")
             x = np.random.default_rng(17).standard_normal((3, 4)).astype(np.float32)
             assert_matches(await sess.run({"x": x}), reference(chain(), {"x": x}))
+
+
+class _PointerKernel(CompiledNode):
+    """Relu whose queued work holds only raw addresses, as a C-backed EP's would."""
+
+    def __init__(self, ep: _PointerEp) -> None:
+        self.ep = ep
+
+    async def __call__(self, inputs: Sequence[Tensor], stream: Any) -> list[Tensor]:
+        (x,) = inputs
+        out = self.ep.allocate(x.shape, x.dtype)
+        self.ep.seen.append(weakref.ref(x.buffer))
+        src, dst, n, gate = x.data_ptr, out.data_ptr, x.nbytes, self.ep.gate
+
+        def relu() -> None:
+            gate.wait()
+            a = np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(src))
+            b = np.ctypeslib.as_array((ctypes.c_float * (n // 4)).from_address(dst))
+            np.maximum(a, 0, out=b)
+
+        stream.impl.enqueue(relu)
+        return [out]
+
+
+class _PointerEp(Ep):
+    name = "ptr"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.seen: list[weakref.ref[aioep.Buffer]] = []
+
+    def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
+        return claim_ops("Relu")(graph)
+
+    def compile(self, fused_groups: Sequence[FusedGroup]) -> list[CompiledNode]:
+        return [_PointerKernel(self) for _ in fused_groups]
+
+
+class _PointerFactory(HostTestFactory):
+    def __init__(self) -> None:
+        super().__init__("ptr", claim_ops("Relu"))
+        self.ep = _PointerEp()
+
+    def is_stream_aware(self) -> bool:
+        return True
+
+    def create_sync_stream(self, memory_device: Any, options: Any) -> Any:
+        return ThreadStream("ptr-stream")
+
+    def create_ep(self, ep_devices: Any, options: Any) -> Ep:
+        return self.ep
+
+
+async def test_cancelled_run_holds_its_tensors_until_the_stream_passes() -> None:
+    x = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
+    model = _model(
+        [h.make_node("Exp", ["x"], ["e"]), h.make_node("Relu", ["e"], ["y"])],
+        [_vi("x", [3, 4])],
+        [_vi("y", [3, 4])],
+    )
+    async with aioep.Environment(autoload=False) as env:
+        factory = _PointerFactory()
+        (dev,) = env.register_library("ptr", factory)
+        async with await env.create_session(model, [dev]) as sess:
+            assert sess.assignment == (CPU, "ptr")
+            with anyio.move_on_after(0.2) as scope:
+                await sess.run({"x": x})  # the Relu waits behind the gate
+            assert scope.cancelled_caught
+            (exp_out,) = factory.ep.seen
+            gc.collect()
+            # The queued Relu reads the Exp output by address: it must still be alive.
+            assert exp_out() is not None
+            factory.ep.gate.set()
+            await sess.streams["ptr"]
+            gc.collect()
+            assert exp_out() is None
+            out = await sess.run({"x": x})
+            np.testing.assert_allclose(out["y"].numpy(), np.maximum(np.exp(x), 0), rtol=1e-6)
+            del out
