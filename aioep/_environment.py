@@ -41,7 +41,7 @@ from ._notification import Notification
 from ._stream import SyncStream
 from ._stream_impl import HostNotification, NotificationImpl, StreamImpl
 from ._tensor import Tensor, _normalize_shape
-from ._transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
+from ._transfer import CopyPlan, DataTransfer, RouteCache, TensorLike, plan_copies
 from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
@@ -145,6 +145,7 @@ class Environment:
         self._transfers: list[tuple[str, DataTransfer]] = []
         self._loaders: list[tuple[str, ExternalDataLoader]] = []
         self._inflight: dict[CopyFuture, frozenset[str]] = {}
+        self._routes = RouteCache()  # un-streamed copies; each SyncStream has its own
         self._executor: ThreadPoolExecutor | None = None
         self._token: contextvars.Token[Environment | None] | None = None
         self.load_errors: dict[str, str] = {}
@@ -721,52 +722,64 @@ class Environment:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:
                 return CopyFuture.completed(done, Notification(_Completed(None)))
-        stream_lib: _Library | None = None
-        if stream is not None:
-            if not isinstance(stream, SyncStream):
-                raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
-            stream._check_open()
-            stream_lib = self._stream_library(stream)
+        if stream is None:
+            plan = plan_copies(
+                src, dst, self._transfers, allow_reshape=allow_reshape, routes=self._routes
+            )
+            return self._copy_unstreamed(plan)
+        if not isinstance(stream, SyncStream):
+            raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
+        stream._check_open()
+        stream_lib = self._stream_library(stream)
+        impl = stream.impl
         plan = plan_copies(
             src,
             dst,
             self._transfers,
-            stream_impl=None if stream is None else stream.impl,
-            stream_library=None if stream_lib is None else stream_lib.name,
+            stream_impl=impl,
+            stream_library=stream_lib.name,
             allow_reshape=allow_reshape,
+            routes=stream._routes,
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
-        if stream is None and plan.inline:
-            # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
-            return CopyFuture.completed(plan.dst, Notification(_Completed(_run_groups(plan))))
-        libs = self._libraries_used(plan, stream_lib)
-        keepalive = plan.src + plan.dst
-        if stream is not None:
-            for transfer, pairs in plan.groups:
-                try:
-                    transfer.copy_tensors(pairs, stream.impl)
-                except Exception as exc:
-                    raise translate_backend_error(exc, f"enqueueing copies on {stream!r}") from exc
-            stream._enqueued()
-            future = CopyFuture(keepalive, plan.dst, stream.record())
-        else:
-            signal = HostNotification()
-            future = CopyFuture(keepalive, plan.dst, Notification(signal))
-            self._get_executor().submit(_run_plan, plan, signal)
+        for transfer, pairs in plan.groups:
+            try:
+                transfer.copy_tensors(pairs, impl)
+            except Exception as exc:
+                error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
+                if error is exc:
+                    raise
+                raise error from exc
+        stream._enqueued()
+        future = CopyFuture(plan.src + plan.dst, plan.dst, stream.record(), stream)
         if not future.done():
-            self._inflight[future] = libs
-            future.add_done_callback(self._forget)
+            self._track(future, frozenset(plan.libraries | {stream_lib.name}))
         return future
+
+    def _copy_unstreamed(self, plan: CopyPlan) -> CopyFuture:
+        if not plan.groups:
+            return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        if plan.inline:
+            # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
+            failure = _run_groups(plan)
+            what = "copy_tensors" if failure is None else _describe(failure[0])
+            error = None if failure is None else failure[1]
+            return CopyFuture.completed(plan.dst, Notification(_Completed(error)), what)
+        signal = HostNotification()
+        what = " / ".join(_describe(t) for t, _ in plan.groups)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)
+        self._get_executor().submit(_run_plan, plan, signal)
+        if not future.done():
+            self._track(future, frozenset(plan.libraries))
+        return future
+
+    def _track(self, future: CopyFuture, libraries: frozenset[str]) -> None:
+        self._inflight[future] = libraries
+        future.add_done_callback(self._forget)
 
     def _forget(self, future: CopyFuture) -> None:
         self._inflight.pop(future, None)
-
-    def _libraries_used(self, plan: CopyPlan, stream_lib: _Library | None) -> frozenset[str]:
-        names = {stream_lib.name} if stream_lib is not None else set()
-        transfer_owner = {id(t): n for n, t in self._transfers}
-        names.update(transfer_owner[id(t)] for t, _ in plan.groups)
-        return frozenset(names)
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -867,20 +880,32 @@ def _copy_small_arrays(
     return [Tensor.from_numpy(d) for d in arrays[n:]]  # type: ignore[arg-type]
 
 
-def _run_groups(plan: CopyPlan) -> BaseException | None:
+def _describe(transfer: DataTransfer) -> str:
+    return f"{type(transfer).__name__}.copy_tensors"
+
+
+def _run_groups(plan: CopyPlan) -> tuple[DataTransfer, BaseException] | None:
+    """Run an un-streamed plan; on failure, the transfer that failed and its exception.
+
+    The exception is handed on as the backend raised it: the future translates it,
+    once, into the :class:`DeviceError` it raises (chained to it).
+    """
     for transfer, pairs in plan.groups:
         try:
             transfer.copy_tensors(pairs, None)
         except BaseException as exc:
-            error = translate_backend_error(exc, f"{type(transfer).__name__}.copy_tensors")
-            if error is not exc:
-                error.__cause__ = exc
-            return error
+            return transfer, exc
     return None
 
 
 def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
-    signal.set(_run_groups(plan))
+    failure = _run_groups(plan)
+    # The executor's work item holds `plan` until after this returns, and the signal may wake
+    # the awaiter first: drop the batch's tensors now (the future holds what it needs).
+    plan.src.clear()
+    plan.dst.clear()
+    plan.groups.clear()
+    signal.set(None if failure is None else failure[1])
 
 
 class _Completed(NotificationImpl):

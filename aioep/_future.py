@@ -8,7 +8,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from ._errors import EpError, InvalidArgument
-from ._notification import Notification, _as_device_error
+from ._notification import Notification, device_error
 from ._tensor import Tensor
 from ._wake import wait_for
 
@@ -43,6 +43,7 @@ class CopyFuture:
         "_lock",
         "_notification",
         "_status",
+        "_what",
     )
 
     def __init__(
@@ -50,16 +51,21 @@ class CopyFuture:
         keepalive: Sequence[Tensor],
         dst: Sequence[Tensor],
         notification: Notification,
+        what: object = "copy_tensors",
     ) -> None:
+        """``keepalive``: every tensor to keep alive and pinned until the copies complete;
+        ``dst``: what :meth:`result` returns; ``what``: the operation named in a failure's
+        message (a string, or the :class:`SyncStream` the copies were enqueued on)."""
         self._lock = threading.Lock()
         self._status = CopyStatus.PENDING
         self._error: EpError | None = None
         self._dst = list(dst)
         self._callbacks: list[Callable[[CopyFuture], None]] = []
         self._notification = notification
+        self._what = what
         self._keepalive: list[Tensor] | None = None
         if notification.impl.query():  # already complete (an idle stream ran it inline)
-            self._complete()
+            self._settle()  # nobody else can see this future yet: no lock, no callbacks
             return
         self._keepalive = list(keepalive)
         for t in self._keepalive:
@@ -68,9 +74,11 @@ class CopyFuture:
         notification.impl.add_done_callback(self._complete)
 
     @classmethod
-    def completed(cls, dst: Sequence[Tensor], notification: Notification) -> CopyFuture:
-        """A future that is already done (empty batches, inline copies)."""
-        return cls((), dst, notification)
+    def completed(
+        cls, dst: Sequence[Tensor], notification: Notification, what: object = "copy_tensors"
+    ) -> CopyFuture:
+        """A future whose copies already ran (empty batches, inline copies)."""
+        return cls((), dst, notification, what)
 
     @property
     def notification(self) -> Notification:
@@ -87,20 +95,26 @@ class CopyFuture:
         with self._lock:
             if self._status is not CopyStatus.PENDING:
                 return
-            err = self._notification.impl.error()
-            if err is not None:
-                self._error = _as_device_error(err, self)
-                self._error.__cause__ = err
-                self._status = CopyStatus.FAILED
-            else:
-                self._status = CopyStatus.DONE
             keepalive, self._keepalive = self._keepalive, None
+            # Unpin before the status says done: whoever sees it done may free the buffers.
+            for t in keepalive or ():
+                t.buffer._unpin()
+            del keepalive  # a completed future holds no source buffer
             callbacks, self._callbacks = self._callbacks, []
-        for t in keepalive or ():
-            t.buffer._unpin()
-        del keepalive
+            self._settle()
         for fn in callbacks:
             fn(self)
+
+    def _settle(self) -> None:
+        err = self._notification.impl.error()
+        if err is not None:
+            what = self._what
+            if not isinstance(what, str):
+                what = f"copy on {what!r}"
+            self._error = device_error(err, what)
+            self._status = CopyStatus.FAILED
+        else:
+            self._status = CopyStatus.DONE
 
     def done(self) -> bool:
         """True once the copies completed or failed."""
@@ -112,9 +126,15 @@ class CopyFuture:
         """The destination tensors; raises the copy's error, or InvalidArgument if still pending."""
         if not self.done():
             raise InvalidArgument(f"{self!r} is still in flight; await it or call wait()")
-        if self._error is not None:
-            raise self._error
-        return list(self._dst)
+        error = self._error
+        if error is None:
+            return list(self._dst)
+        try:
+            # A fresh traceback per raise, which keeps this frame: clear its locals, or the
+            # error and this future would form a cycle that only the gc breaks.
+            raise error.with_traceback(None)
+        finally:
+            del error, self
 
     def exception(self) -> EpError | None:
         """The copy's error once done, else None."""
@@ -129,7 +149,10 @@ class CopyFuture:
         """
         if not self._notification.impl.wait_on_host(timeout):
             raise TimeoutError(f"{self!r} did not complete within {timeout} s")
-        return self.result()
+        try:
+            return self.result()
+        finally:
+            del self  # see result()
 
     def add_done_callback(self, fn: Callable[[CopyFuture], None]) -> None:
         """Call ``fn(future)`` when done, from the thread that completes it (at once if done)."""
@@ -142,7 +165,10 @@ class CopyFuture:
     async def _wait_async(self) -> list[Tensor]:
         impl = self._notification.impl
         await wait_for(impl.add_done_callback, impl.query)
-        return self.result()
+        try:
+            return self.result()
+        finally:
+            del self  # see result()
 
     def __await__(self) -> Generator[Any, None, list[Tensor]]:
         return self._wait_async().__await__()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,7 @@ class Notification:
         err = self._impl.error() if self._impl.query() else None
         if err is None:
             return None
-        return _as_device_error(err, self)
+        return device_error(err, f"device work before {self!r}")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block the calling thread until done.
@@ -86,7 +87,7 @@ class Notification:
     def _raise_if_failed(self) -> None:
         err = self._impl.error()
         if err is not None:
-            raise _as_device_error(err, self) from err
+            raise device_error(err, f"device work before {self!r}")
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait_async().__await__()
@@ -96,7 +97,26 @@ class Notification:
         return f"<Notification {'done' if self.done() else 'pending'}{where}>"
 
 
-def _as_device_error(err: BaseException, where: object) -> EpError:
-    if isinstance(err, EpError):
-        return err
-    return DeviceError(f"device work before {where!r} failed: {type(err).__name__}: {err}")
+def device_error(err: BaseException, what: str) -> DeviceError:
+    """The one translation of a failure a backend reported for device work.
+
+    Returns a new :class:`DeviceError` (never ``err`` itself) with the backend's
+    message and, when the backend raised an :class:`EpError`, its code; its
+    ``__cause__`` is ``err``. The locals of the failed work's finished frames in
+    ``err``'s traceback are cleared (file and line stay), so the error does not
+    keep that work's tensors alive.
+    """
+    _clear_frames(err)
+    code = err.code if isinstance(err, EpError) else None
+    error = DeviceError(f"{what} failed: {type(err).__name__}: {err}", code=code)
+    error.__cause__ = err
+    return error
+
+
+def _clear_frames(err: BaseException) -> None:
+    seen: set[int] = set()
+    exc: BaseException | None = err
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # frames still running are skipped
+        exc = exc.__cause__ or exc.__context__

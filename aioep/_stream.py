@@ -12,6 +12,7 @@ import anyio
 from ._errors import ClosedError, InvalidArgument, NotImplementedByEp
 from ._notification import Notification
 from ._stream_impl import StreamImpl
+from ._transfer import RouteCache
 
 if TYPE_CHECKING:
     from ._device import EpDevice
@@ -37,6 +38,7 @@ class SyncStream:
         "_ep_device",
         "_impl",
         "_on_close",
+        "_routes",
         "_sync_clock",
         "_sync_id",
         "_tail",
@@ -56,6 +58,7 @@ class SyncStream:
         self._closed = False
         self._dirty = False
         self._tail: Notification | None = None
+        self._routes = RouteCache()  # copy_tensors routing for this stream
         # Sync-id bookkeeping for stream-aware allocators (ORT's stream_handles.cc): _sync_id
         # counts recorded points; _sync_clock maps a producer stream's _uid to the highest of
         # its sync ids that this stream has waited for.

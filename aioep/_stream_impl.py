@@ -205,7 +205,9 @@ class ThreadStream(StreamImpl):
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or f"aioep-stream-{next(_stream_ids)}"
-        self._cond = threading.Condition()
+        # The worker waits on _cond; everything else takes the plain lock under it (cheaper).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
         self._busy = False  # an op is running (on the worker or inline on a caller)
@@ -221,7 +223,7 @@ class ThreadStream(StreamImpl):
         return HostNotification(self)
 
     def query(self) -> bool | None:
-        with self._cond:
+        with self._lock:
             return not self._queue and not self._busy
 
     def enqueue(self, fn: Callable[[], None], *, inline: bool = False) -> None:
@@ -230,7 +232,7 @@ class ThreadStream(StreamImpl):
         With ``inline=True`` and an idle stream, run it now on this thread instead.
         """
         if inline:
-            with self._cond:
+            with self._lock:
                 self._check_not_closed()
                 idle = not self._queue and not self._busy
                 if idle:
@@ -251,12 +253,12 @@ class ThreadStream(StreamImpl):
         self._put(("wait", notification, 0))
 
     def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
-        with self._cond:
+        with self._lock:
             self._check_not_closed()
             idle = not self._queue and not self._busy
             if not idle:
                 self._queue.append(("signal", notification, generation))
-                self._cond.notify()
+                self._cond.notify()  # holding _lock is holding _cond
                 return
             error = self._take_error()
         # The stream already passed this point: complete it here (callbacks run on this thread).
@@ -275,7 +277,7 @@ class ThreadStream(StreamImpl):
 
     def _keep_error(self, error: BaseException) -> None:
         # A superseded mark (re-activated notification) must not swallow a failure.
-        with self._cond:
+        with self._lock:
             if self._pending_error is None:
                 self._pending_error = error
 

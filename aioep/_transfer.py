@@ -16,14 +16,18 @@ from ._stream_impl import StreamImpl
 from ._tensor import Tensor, as_tensor
 from ._types import MemoryDevice
 
-__all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
+__all__ = ["CopyPlan", "DataTransfer", "RouteCache", "plan_copies"]
 
 TensorLike = Tensor | npt.NDArray[Any]
 CopyPair = tuple[Tensor, Tensor]
 
 
 class DataTransfer(abc.ABC):
-    """Copies tensors between memory devices; offered by a factory's ``create_data_transfer``."""
+    """Copies tensors between memory devices; offered by a factory's ``create_data_transfer``.
+
+    ``can_copy`` and ``can_use_stream`` must give the same answer for the same
+    arguments while the transfer is registered: the core caches the routing.
+    """
 
     max_inline_bytes: int = 0
     """Un-streamed batches up to this size are copied inline on the event loop (cheap memcpys)."""
@@ -58,6 +62,8 @@ class CopyPlan:
     dst: list[Tensor]
     groups: list[tuple[DataTransfer, list[CopyPair]]] = field(default_factory=list)
     nbytes: int = 0
+    libraries: set[str] = field(default_factory=set)
+    """Names of the libraries whose transfers run the groups."""
 
     @property
     def inline(self) -> bool:
@@ -67,6 +73,37 @@ class CopyPlan:
             sum(s._nbytes for s, _ in pairs) <= transfer.max_inline_bytes
             for transfer, pairs in self.groups
         )
+
+
+Route = tuple[str, DataTransfer]
+RouteKey = tuple[MemoryDevice, MemoryDevice]
+
+
+class RouteCache:
+    """Routing decisions for one stream (or for un-streamed copies): (source device,
+    destination device) -> the (library name, transfer) that copies between them.
+
+    Valid while the environment's transfer list is unchanged; :meth:`table`
+    compares it with the list it was filled from and starts afresh when it
+    differs (a library registered or removed). Only successes are cached, so
+    every error is raised again with its full message. This relies on
+    ``can_copy`` and ``can_use_stream`` giving the same answer for the same
+    arguments while a transfer is registered.
+    """
+
+    __slots__ = ("_routes", "_snapshot")
+
+    def __init__(self) -> None:
+        self._snapshot: tuple[tuple[str, DataTransfer], ...] = ()
+        self._routes: dict[RouteKey, Route] = {}
+
+    def table(self, transfers: Sequence[tuple[str, DataTransfer]]) -> dict[RouteKey, Route]:
+        """The cached routes for ``transfers`` (a fresh table if the list changed)."""
+        current = tuple(transfers)
+        if self._snapshot != current:
+            self._snapshot = current
+            self._routes = {}
+        return self._routes
 
 
 def _address_space(device: MemoryDevice) -> object:
@@ -126,20 +163,18 @@ def plan_copies(
     stream_impl: StreamImpl | None = None,
     stream_library: str | None = None,
     allow_reshape: bool = False,
+    routes: RouteCache | None = None,
 ) -> CopyPlan:
     """Validate a batch and route each pair to a transfer; raise before anything is enqueued.
 
     ``transfers`` is the environment's (library name, transfer) list in
     registration order; with a stream, transfers of the stream's own library
-    are tried first and a transfer must be able to use the stream.
+    are tried first and a transfer must be able to use the stream. ``routes``
+    caches the routing across calls; it must belong to this stream (or to
+    un-streamed copies) and this environment.
     """
-    for what, seq in (("src", src), ("dst", dst)):
-        if type(seq) not in (list, tuple) and (
-            isinstance(seq, (Tensor, str, bytes)) or not isinstance(seq, Sequence)
-        ):
-            raise InvalidArgument(
-                f"copy_tensors: {what} must be a list of tensors, got {type(seq).__name__}"
-            )
+    _check_sequence("src", src)
+    _check_sequence("dst", dst)
     if len(src) != len(dst):
         raise InvalidArgument(
             f"copy_tensors: {len(src)} source(s) but {len(dst)} destination(s); "
@@ -148,49 +183,58 @@ def plan_copies(
     srcs = [_tensor_arg(s, "source", i, False) for i, s in enumerate(src)]
     dsts = [_tensor_arg(d, "destination", i, True) for i, d in enumerate(dst)]
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.dtype is not d.dtype and s.dtype != d.dtype:
-            raise InvalidArgument(
-                f"copy_tensors pair {i}: source dtype {s.dtype} differs from destination dtype {d.dtype}"
-            )
-        if s._nbytes != d._nbytes:
-            raise InvalidArgument(
-                f"copy_tensors pair {i}: Tensor size mismatch: source {s.shape} has {s.nbytes} "
-                f"bytes, destination {d.shape} has {d.nbytes}"
-            )
-        if s.shape != d.shape and not allow_reshape:
-            raise InvalidArgument(
-                f"copy_tensors pair {i}: source shape {s.shape} differs from destination shape "
-                f"{d.shape}; pass allow_reshape=True for a byte copy between shapes"
-            )
-        if d.buffer.readonly:
-            raise InvalidArgument(f"copy_tensors pair {i}: destination {d!r} is read-only")
-        for role, t in (("source", s), ("destination", d)):
-            if t.buffer.freed:
-                raise InvalidArgument(
-                    f"copy_tensors pair {i}: {role} buffer {t.buffer!r} was freed"
-                )
+        _check_pair(i, s, d, allow_reshape)
     _check_overlaps(srcs, dsts)
 
-    if stream_impl is not None and stream_library is not None:
-        ordered = [t for t in transfers if t[0] == stream_library]
-        ordered += [t for t in transfers if t[0] != stream_library]
-    else:
-        ordered = list(transfers)
-    routes: dict[tuple[MemoryDevice, MemoryDevice], DataTransfer] = {}
-    grouped: dict[int, tuple[DataTransfer, list[CopyPair]]] = {}
-    nbytes = 0
+    table = {} if routes is None else routes.table(transfers)
+    plan = CopyPlan(srcs, dsts)
+    grouped: dict[int, list[CopyPair]] = {}
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         key = (s.buffer.memory_info.device, d.buffer.memory_info.device)
-        transfer = routes.get(key)
-        if transfer is None:
-            transfer = _route(key, ordered, stream_impl, i)
-            routes[key] = transfer
-        group = grouped.get(id(transfer))
-        if group is None:
-            grouped[id(transfer)] = group = (transfer, [])
-        group[1].append((s, d))
-        nbytes += s._nbytes
-    return CopyPlan(srcs, dsts, list(grouped.values()), nbytes)
+        route = table.get(key)
+        if route is None:
+            table[key] = route = _route(key, transfers, stream_impl, stream_library, i)
+        library, transfer = route
+        pairs = grouped.get(id(transfer))
+        if pairs is None:
+            grouped[id(transfer)] = pairs = []
+            plan.groups.append((transfer, pairs))
+            plan.libraries.add(library)
+        pairs.append((s, d))
+        plan.nbytes += s._nbytes
+    return plan
+
+
+def _check_sequence(what: str, seq: object) -> None:
+    if type(seq) not in (list, tuple) and (
+        isinstance(seq, (Tensor, str, bytes)) or not isinstance(seq, Sequence)
+    ):
+        raise InvalidArgument(
+            f"copy_tensors: {what} must be a list of tensors, got {type(seq).__name__}"
+        )
+
+
+def _check_pair(i: int, s: Tensor, d: Tensor, allow_reshape: bool) -> None:
+    if s.dtype is not d.dtype and s.dtype != d.dtype:
+        raise InvalidArgument(
+            f"copy_tensors pair {i}: source dtype {s.dtype} differs from destination dtype {d.dtype}"
+        )
+    if s._nbytes != d._nbytes:
+        raise InvalidArgument(
+            f"copy_tensors pair {i}: Tensor size mismatch: source {s.shape} has {s.nbytes} "
+            f"bytes, destination {d.shape} has {d.nbytes}"
+        )
+    if s.shape != d.shape and not allow_reshape:
+        raise InvalidArgument(
+            f"copy_tensors pair {i}: source shape {s.shape} differs from destination shape "
+            f"{d.shape}; pass allow_reshape=True for a byte copy between shapes"
+        )
+    if d.buffer.readonly:
+        raise InvalidArgument(f"copy_tensors pair {i}: destination {d!r} is read-only")
+    if s.buffer.freed:
+        raise InvalidArgument(f"copy_tensors pair {i}: source buffer {s.buffer!r} was freed")
+    if d.buffer.freed:
+        raise InvalidArgument(f"copy_tensors pair {i}: destination buffer {d.buffer!r} was freed")
 
 
 def _tensor_arg(value: TensorLike, kind: str, index: int, writable: bool) -> Tensor:
@@ -202,14 +246,20 @@ def _tensor_arg(value: TensorLike, kind: str, index: int, writable: bool) -> Ten
 
 
 def _route(
-    key: tuple[MemoryDevice, MemoryDevice],
+    key: RouteKey,
     transfers: Sequence[tuple[str, DataTransfer]],
     stream_impl: StreamImpl | None,
+    stream_library: str | None,
     index: int,
-) -> DataTransfer:
-    capable = [t for _, t in transfers if t.can_copy(*key)]
+) -> Route:
+    if stream_impl is not None and stream_library is not None:
+        # The stream's own library first, then the rest in registration order.
+        transfers = [t for t in transfers if t[0] == stream_library] + [
+            t for t in transfers if t[0] != stream_library
+        ]
+    capable = [t for t in transfers if t[1].can_copy(*key)]
     if stream_impl is not None:
-        usable = [t for t in capable if t.can_use_stream(stream_impl)]
+        usable = [t for t in capable if t[1].can_use_stream(stream_impl)]
         if capable and not usable:
             raise NotImplementedByEp(
                 f"copy_tensors pair {index}: no data transfer that copies {key[0]} -> {key[1]} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import weakref
 from typing import Any
 
 import numpy as np
@@ -379,3 +380,58 @@ async def test_peer_copy_uses_both_devices_engines(make_env: MakeEnv) -> None:
     out = np.zeros(1 << 16, np.uint8)
     await aioep.copy_tensors([z], [out])
     np.testing.assert_array_equal(out, np.arange(1 << 16, dtype=np.uint64).astype(np.uint8))
+
+
+def _raised_in(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    assert tb is not None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_failed_copy_chains_the_backend_error_and_drops_its_sources(
+    make_env: MakeEnv, streamed: bool
+) -> None:
+    # latency_us keeps the copy off the caller's thread: the stream worker or the executor.
+    env = await make_env(fail_after_copies=0, latency_us=100)
+    d0, _ = sim_devices(env)
+    dst = env.empty(64, "uint8", d0.memory_info(MemoryType.DEFAULT))
+    src = env.empty(64, "uint8")
+    src_buffer = weakref.ref(src.buffer)
+    gc.disable()  # every release below must come from reference counts alone
+    try:
+        async with d0.create_sync_stream() as s:
+            fut = aioep.copy_tensors([src], [dst], stream=s if streamed else None)
+            del src
+            try:
+                await fut
+            except aioep.DeviceError as exc:
+                err = exc
+            else:
+                raise AssertionError("the injected failure did not surface")
+            cause = err.__cause__
+            assert cause is not None
+            assert cause is not err
+            assert cause.__cause__ is not cause
+            # The backend's own exception: raised by the sim device's fault injection.
+            assert isinstance(cause, aioep.DeviceError)
+            assert "injected failure of copy 1" in str(cause)
+            assert _raised_in(cause) == "begin_copy"
+            assert "injected failure of copy 1" in str(err)
+            assert fut.exception() is err
+            note_err = fut.notification.exception()
+            assert note_err is not None
+            assert note_err.__cause__ is cause
+            del err, cause, note_err
+            # A failed future keeps no source alive, while the future itself is still held.
+            assert src_buffer() is None
+            with pytest.raises(aioep.DeviceError):
+                fut.result()
+            fut_ref = weakref.ref(fut)
+            del fut
+            assert fut_ref() is None  # no future <-> error cycle
+    finally:
+        gc.enable()
+    del dst
