@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import gc
 import importlib
 import importlib.metadata
 import os
@@ -448,6 +449,10 @@ class Environment:
             lib.loader = None
 
     def _close_allocators(self, lib: _Library, *, report: bool) -> None:
+        if report and any(a.live_buffers for a in lib.allocators):
+            # Buffers held only by reference cycles are garbage, not alive: collect them
+            # before reporting, so the warning names only what the program still holds.
+            gc.collect()
         for allocator in lib.allocators:
             if allocator.live_buffers and report:
                 warnings.warn(
