@@ -65,7 +65,7 @@ def webgpu_path() -> str:
     reason = _webgpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    import onnxruntime_ep_webgpu
+    import onnxruntime_ep_webgpu  # type: ignore[import-untyped]
 
     return str(onnxruntime_ep_webgpu.get_library_path())
 
@@ -90,6 +90,8 @@ def _run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
         {"libraries": "a=/nonexistent/libx.so"},
         {"chunk_bytes": 10},
         {"chunk_bytes": "lots"},
+        {"chunk_ms": 0},
+        {"chunk_ms": "fast"},
         {"device_check": 2},
         {"registration_name": "x"},
     ],
@@ -97,6 +99,44 @@ def _run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_bad_options_are_invalid_argument(options: dict[str, Any]) -> None:
     with pytest.raises(aioep.InvalidArgument, match="ort backend"):
         aioep_ort.OrtFactory(options)
+
+
+def test_chunk_options() -> None:
+    assert aioep_ort.OrtFactory({}).options.chunk_bytes is None  # auto: sized by time
+    assert aioep_ort.OrtFactory({"chunk_bytes": "auto", "chunk_ms": "4"}).options.chunk_ms == 4
+    assert aioep_ort.OrtFactory({"chunk_bytes": 0}).options.chunk_bytes == 0
+    assert aioep_ort.OrtFactory({"chunk_bytes": "8192"}).options.chunk_bytes == 8192
+
+
+def test_call_pacer_sizes_calls_by_time() -> None:
+    mib = 1 << 20
+    pacer = aioep_ort.CallPacer(0.008)
+    assert pacer.call_bytes("d2h") == pacer.initial_bytes
+    assert pacer.segment_bytes() == 8 * mib
+    for _ in range(40):  # 1 GB/s: 8 ms moves 8 MB
+        pacer.record("d2h", 4 * mib, 4 * mib / 1e9)
+    assert 7.5e6 < pacer.call_bytes("d2h") < 8.5e6
+    assert pacer.call_bytes("h2d") == pacer.initial_bytes  # per direction
+    assert pacer.segment_bytes() == 4 * mib  # the smaller direction, a power of two
+    # One slow call (a direction's first copy warms the device up) moves it at most 4x.
+    before = pacer.call_bytes("d2h")
+    pacer.record("d2h", 4 * mib, 10.0)
+    assert pacer.call_bytes("d2h") > before / 3
+    for _ in range(40):  # very slow, then very fast: clamped to the bounds
+        pacer.record("d2h", 4 * mib, 1.0)
+    assert pacer.call_bytes("d2h") == pacer.min_bytes
+    assert pacer.segment_bytes() == pacer.min_segment_bytes
+    for _ in range(40):
+        pacer.record("h2d", 4 * mib, 1e-6)
+        pacer.record("d2h", 4 * mib, 1e-6)
+    assert pacer.call_bytes("h2d") == pacer.max_bytes
+    assert pacer.segment_bytes() == pacer.max_segment_bytes
+    pacer.record("h2d", 100, 10.0)  # tiny calls measure the fixed cost: ignored
+    assert pacer.call_bytes("h2d") == pacer.max_bytes
+    fixed = aioep_ort.CallPacer(0.008, 4096)
+    fixed.record("d2h", 4 * mib, 10.0)
+    assert fixed.call_bytes("d2h") == fixed.segment_bytes() == 4096
+    assert aioep_ort.CallPacer(0.008, 0).call_bytes("h2d") == 0
 
 
 async def test_without_libraries_the_backend_offers_nothing() -> None:
@@ -218,6 +258,8 @@ async def test_libraries_option_from_config(webgpu_path: str) -> None:
     options = {"ort": {"libraries": f"wg_a={webgpu_path}", "chunk_bytes": 1 << 20}}
     async with aioep.Environment(backends=["ort"], backend_options=options) as env:
         (dev,) = env.ep_devices(ep_name="WebGpuExecutionProvider")
+        assert isinstance(dev, aioep_ort.OrtPluginDevice)
+        assert isinstance(dev.factory, aioep_ort.OrtFactory)
         assert dev.registration_name == "wg_a"
         assert dev.factory.options.chunk_bytes == 1 << 20
 
@@ -271,6 +313,41 @@ async def test_views_at_any_offset(webgpu_path: str) -> None:
         del x, view
 
 
+async def test_auto_chunks_batch_several_segments_per_call(webgpu_path: str) -> None:
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        factory = dev.factory
+        assert isinstance(factory, aioep_ort.OrtFactory)
+        pacer = factory.pacer
+        pacer.min_segment_bytes = pacer.max_segment_bytes = 4096  # tiny segments, big calls
+        n = 40 * 4096 + 123
+        base = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
+        x = env.empty(n, np.uint8, dev.memory_info())
+        assert factory.segment_bytes(x) == 4096
+        calls: list[int] = []
+        real = aioep_ort._transfer._ort_copy
+
+        def spy(src: list[Any], dst: list[Any]) -> None:
+            calls.append(len(src))
+            real(src, dst)
+
+        aioep_ort._transfer._ort_copy = spy
+        try:
+            await aioep.copy_tensors([base], [x])
+            assert max(calls) > 1  # several segment pairs in one ORT call
+            view = aioep.Tensor(x.buffer, (5 * 4096,), np.uint8, byte_offset=4093)
+            patch = np.arange(5 * 4096, dtype=np.uint8)
+            await aioep.copy_tensors([patch], [view])  # unaligned: ends read-patch-written
+            base[4093 : 4093 + 5 * 4096] = patch
+            whole = np.zeros(n, np.uint8)
+            await aioep.copy_tensors([x], [whole])
+            np.testing.assert_array_equal(whole, base)
+        finally:
+            aioep_ort._transfer._ort_copy = real
+        assert pacer.call_bytes("h2d") >= pacer.min_bytes
+        del x, view
+
+
 async def test_validation_before_ort(webgpu_path: str) -> None:
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)
@@ -308,7 +385,7 @@ async def test_streams_not_supported_by_webgpu(webgpu_path: str) -> None:
 async def test_event_loop_keeps_running_during_a_large_copy(webgpu_path: str) -> None:
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)
-        n = 32 << 20
+        n = 64 << 20  # calls are sized by time (~8 ms each): several of them
         a = np.ones(n, np.uint8)
         x = env.empty(n, np.uint8, dev.memory_info())
         await aioep.copy_tensors([a[:4096]], [aioep.Tensor(x.buffer, (4096,), np.uint8)])
@@ -327,6 +404,7 @@ async def test_event_loop_keeps_running_during_a_large_copy(webgpu_path: str) ->
             tg.cancel_scope.cancel()
         gaps = np.diff(ticks)
         # Chunked copies release the GIL between ORT calls: the loop ticks throughout.
+        # (Each call is sized to hold the GIL for about chunk_ms = 8 ms.)
         # (Loose bound for a loaded CI machine; benchmarks/ort_copy.py measures the lag.)
         assert len(ticks) > 5
         assert gaps.max() < max(0.25, elapsed / 4)

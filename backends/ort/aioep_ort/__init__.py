@@ -12,9 +12,11 @@ from ._factory import OrtOptions as OrtOptions
 from ._factory import OrtPluginDevice as OrtPluginDevice
 from ._memory import OrtAllocator as OrtAllocator
 from ._stream import OrtStream as OrtStream
+from ._transfer import CallPacer as CallPacer
 from ._transfer import OrtDataTransfer as OrtDataTransfer
 
 __all__ = [
+    "CallPacer",
     "OrtAllocator",
     "OrtDataTransfer",
     "OrtFactory",

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aioep import (
     ClosedError,
@@ -27,11 +27,14 @@ from ._memory import AddressMap, OrtAllocator
 from ._ort import ort, translate
 from ._registry import Registration, acquire, release
 from ._stream import OrtStream
-from ._transfer import OrtDataTransfer
+from ._transfer import CallPacer, OrtDataTransfer
+
+if TYPE_CHECKING:
+    from aioep import Tensor
 
 __all__ = ["OrtFactory", "OrtOptions", "OrtPluginDevice"]
 
-DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_CHUNK_MS = 8.0
 _SEMVER = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
 _HW_TYPES = {"CPU": DeviceType.CPU, "GPU": DeviceType.GPU, "NPU": DeviceType.NPU}
 
@@ -42,8 +45,11 @@ class OrtOptions:
 
     libraries: tuple[tuple[str, str], ...] = ()
     """(registration name, library path) pairs, in order."""
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    """Largest single ORT copy call, and the segment size of buffers with opaque handles."""
+    chunk_bytes: int | None = None
+    """Fixed size of ORT copy calls and of the segments of buffers with opaque handles
+    (``0``: one call and one OrtValue per tensor); ``None`` (``"auto"``): sized by time."""
+    chunk_ms: float = DEFAULT_CHUNK_MS
+    """With ``chunk_bytes`` auto: how long one ORT copy call may hold the GIL (target)."""
     device_check: bool = True
     """Before the first allocation, check that the library can create its device."""
 
@@ -55,7 +61,14 @@ class OrtOptions:
             InvalidArgument: an unknown key or a bad value.
         """
         opts = dict(options or {})
-        known = {"library_path", "registration_name", "libraries", "chunk_bytes", "device_check"}
+        known = {
+            "library_path",
+            "registration_name",
+            "libraries",
+            "chunk_bytes",
+            "chunk_ms",
+            "device_check",
+        }
         unknown = sorted(set(opts) - known)
         if unknown:
             raise InvalidArgument(
@@ -94,15 +107,31 @@ class OrtOptions:
                 raise InvalidArgument(
                     f"ort backend: plugin library {path!r} (for {name!r}) does not exist"
                 )
-        chunk = _int_option(opts, "chunk_bytes", DEFAULT_CHUNK_BYTES)
-        if chunk != 0 and chunk < 4096:
-            raise InvalidArgument(
-                f"ort backend: chunk_bytes must be 0 (no chunking) or >= 4096, got {chunk}"
-            )
+        chunk: int | None = None
+        if opts.get("chunk_bytes", "auto") != "auto":
+            chunk = _int_option(opts, "chunk_bytes", 0)
+            if chunk != 0 and chunk < 4096:
+                raise InvalidArgument(
+                    "ort backend: chunk_bytes must be 'auto', 0 (no chunking) or >= 4096, "
+                    f"got {chunk}"
+                )
+        ms = opts.get("chunk_ms", DEFAULT_CHUNK_MS)
+        try:
+            if isinstance(ms, bool):
+                raise ValueError
+            ms = float(ms)
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"ort backend: chunk_ms must be a number, got {ms!r}") from None
+        if not 0.5 <= ms <= 1000:
+            raise InvalidArgument(f"ort backend: chunk_ms must be in [0.5, 1000], got {ms}")
         check = _int_option(opts, "device_check", 1)
         if check not in (0, 1):
             raise InvalidArgument(f"ort backend: device_check must be 0 or 1, got {check}")
-        return cls(tuple(libs), chunk, bool(check))
+        return cls(tuple(libs), chunk, ms, bool(check))
+
+
+def _no_segments() -> int:
+    return 0
 
 
 def _int_option(opts: Mapping[str, Any], key: str, default: int) -> int:
@@ -176,7 +205,7 @@ class OrtFactory(EpFactory):
 
     Options (validated): ``library_path`` and ``registration_name`` (what
     ``env.register_library(name, "/path/lib.so")`` passes), ``libraries``
-    (``"name=path;name2=path2"`` for config), ``chunk_bytes`` and
+    (``"name=path;name2=path2"`` for config), ``chunk_bytes``, ``chunk_ms`` and
     ``device_check``. With no library it offers nothing and imports nothing.
     """
 
@@ -190,6 +219,8 @@ class OrtFactory(EpFactory):
         self._lock = threading.Lock()
         self._closed = False
         self._map = AddressMap()
+        self.pacer = CallPacer(self.options.chunk_ms / 1e3, self.options.chunk_bytes)
+        """Sizes copy calls and new buffers' segments (shared by the allocators and transfer)."""
         self._registrations: list[Registration] = []
         # Per ORT device (flattened over libraries): (registration, index in it, aioep device).
         self._entries: list[tuple[Registration, int]] = []
@@ -286,20 +317,33 @@ class OrtFactory(EpFactory):
             raise InvalidArgument(f"{self!r} has no memory {memory_info!r}")
         omi, index = found
         reg, i = self._entries[index]
-        chunk = self.options.chunk_bytes
+        segment_bytes = self.pacer.segment_bytes
         if memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
-            chunk = 0  # real host addresses: one OrtValue per buffer
+            segment_bytes = _no_segments  # real host addresses: one OrtValue per buffer
         return OrtAllocator(
-            memory_info, omi, reg, i, self._map, chunk, device_check=self.options.device_check
+            memory_info,
+            omi,
+            reg,
+            i,
+            self._map,
+            segment_bytes,
+            device_check=self.options.device_check,
         )
 
     def create_data_transfer(self) -> DataTransfer | None:
         device_memory = {d for d in self._ort_memory if not d.is_host_accessible}
         if not device_memory:
             return None  # nothing the host cannot read: no data transfer needed
-        return OrtDataTransfer(
-            set(self._ort_memory), self._map, self.options.chunk_bytes, self._owns_stream
-        )
+        return OrtDataTransfer(set(self._ort_memory), self._map, self.pacer, self._owns_stream)
+
+    def segment_bytes(self, tensor: Tensor) -> int:
+        """The segment size of the device buffer behind ``tensor`` (its whole size where the
+        buffer is one OrtValue): a copy into part of a segment reads and rewrites it whole.
+
+        Raises:
+            InvalidArgument: the tensor is not live device memory of this factory.
+        """
+        return self._map.find(tensor.data_ptr, tensor.nbytes).segment_bytes
 
     # -- streams -----------------------------------------------------------------------------
     def is_stream_aware(self) -> bool:

@@ -5,13 +5,15 @@ check sizes, counts or dtypes (a mismatch corrupts the heap). The core has
 already validated each batch; this module adds the ORT side: every OrtValue it
 hands to ORT has exactly the size of its partner (uint8 on both sides), all
 sources of one call share one memory info (as ORT requires), and a large copy
-is split into calls of at most ``chunk_bytes`` with the GIL released between
-them, so the event loop keeps running during a long copy.
+is split into calls with the GIL released between them, so the event loop keeps
+running during a long copy. Calls are sized by time (:class:`CallPacer`): each
+direction's measured throughput gives the largest call that holds the GIL for
+about ``chunk_ms``; a fixed ``chunk_bytes`` replaces that with a byte limit.
 """
 
 from __future__ import annotations
 
-import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +29,75 @@ from ._ort import ort, translate
 if TYPE_CHECKING:
     from aioep import Tensor
 
-__all__ = ["OrtDataTransfer"]
+__all__ = ["CallPacer", "OrtDataTransfer"]
+
+_MIB = 1 << 20
+
+
+class CallPacer:
+    """Sizes ``copy_tensors`` calls by time, per direction (``h2d``, ``d2h``, ``d2d``).
+
+    ORT's binding holds the GIL for a whole call, so the event loop stalls for
+    as long as one call lasts; every call also has a fixed cost (on WebGPU each
+    device-to-host call waits for the device queue). The pacer keeps an
+    exponential average of each direction's seconds per byte, measured on the
+    calls themselves, and answers the largest call that should last about
+    ``target_s``, within ``[min_bytes, max_bytes]``. Before a direction has
+    been measured it answers ``initial_bytes``. A single sample moves the
+    average at most 4x, so the slow first copy of a direction (70-230 ms on
+    WebGPU while the device warms up) and calls that return early (WebGPU's
+    asynchronous uploads) cannot swing it far.
+
+    With ``fixed_bytes`` (the ``chunk_bytes`` option) it always answers that
+    (``0``: no limit) and measures nothing.
+    """
+
+    min_bytes = 1 * _MIB
+    max_bytes = 256 * _MIB
+    initial_bytes = 8 * _MIB
+    """Before any measurement: about 7 ms at the ~1.2 GB/s of WebGPU on Mesa lavapipe."""
+    min_segment_bytes = 1 * _MIB
+    max_segment_bytes = 16 * _MIB
+    """A partial write reads and rewrites one whole segment: segments stay this small."""
+    alpha = 0.3
+
+    def __init__(self, target_s: float, fixed_bytes: int | None = None) -> None:
+        self.target_s = target_s
+        self.fixed_bytes = fixed_bytes
+        self._lock = threading.Lock()
+        self._spb: dict[str, float] = {}
+
+    def call_bytes(self, direction: str) -> int:
+        """Bytes for the next call in ``direction`` (``0``: one call, no limit)."""
+        if self.fixed_bytes is not None:
+            return self.fixed_bytes
+        spb = self._spb.get(direction)
+        if spb is None:
+            return self.initial_bytes
+        return int(min(self.max_bytes, max(self.min_bytes, self.target_s / spb)))
+
+    def record(self, direction: str, nbytes: int, seconds: float) -> None:
+        """Feed one finished call of ``nbytes`` that held the GIL ``seconds``."""
+        if self.fixed_bytes is not None or nbytes < 64 * 1024:
+            return  # tiny calls measure the fixed cost, not the throughput
+        with self._lock:
+            old = self._spb.get(direction, self.target_s / self.initial_bytes)
+            sample = min(4 * old, max(old / 4, seconds / nbytes))
+            self._spb[direction] = old + self.alpha * (sample - old)
+
+    def segment_bytes(self) -> int:
+        """Segment size for a new buffer with opaque device pointers (``0``: one segment).
+
+        The smaller of the two host directions' call sizes, rounded down to a
+        power of two within ``[min_segment_bytes, max_segment_bytes]``: one
+        segment is the least one call can move on such a buffer.
+        """
+        if self.fixed_bytes is not None:
+            return self.fixed_bytes
+        n = min(self.call_bytes("h2d"), self.call_bytes("d2h"))
+        n = 1 << (n.bit_length() - 1)
+        return min(self.max_segment_bytes, max(self.min_segment_bytes, n))
+
 
 # One end of a piece: a host byte view, or (block, segment index, offset in segment, length).
 _Host = np.ndarray
@@ -41,12 +111,12 @@ class OrtDataTransfer(DataTransfer):
         self,
         devices: set[MemoryDevice],
         address_map: AddressMap,
-        chunk_bytes: int,
+        pacer: CallPacer,
         owns_stream: Callable[[StreamImpl], bool],
     ) -> None:
         self._devices = frozenset(devices)
         self._map = address_map
-        self._chunk = chunk_bytes
+        self.pacer = pacer
         self._owns_stream = owns_stream
 
     def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
@@ -71,7 +141,7 @@ class OrtDataTransfer(DataTransfer):
 
     # -- the copy ----------------------------------------------------------------------------
     def _copy(self, pairs: Sequence[CopyPair]) -> None:
-        batch = _Batch(self._chunk)
+        batch = _Batch(self.pacer)
         for src, dst in pairs:
             if src.nbytes:
                 self._copy_pair(src, dst, batch)
@@ -89,18 +159,32 @@ class OrtDataTransfer(DataTransfer):
         n = src.nbytes
         s, s_base, s_seg = self._side(src)
         d, d_base, d_seg = self._side(dst)
-        cuts = {0, n}
-        for base, seg in ((s_base, s_seg), (d_base, d_seg)):
-            if seg:
-                first = (base // seg + 1) * seg - base
-                cuts.update(range(first, n, seg))
-        if not s_seg and not d_seg:
-            cuts.update(range(self._chunk, n, self._chunk) if self._chunk else ())
-        edges = sorted(cuts)
-        for a, b in itertools.pairwise(edges):
-            sp = s[a:b] if not s_seg else _dev_piece(s, s_base + a, b - a)
-            dp = d[a:b] if not d_seg else _dev_piece(d, d_base + a, b - a)
-            batch.add(sp, dp)
+        direction = _DIRECTIONS[bool(s_seg), bool(d_seg)]
+        pos = 0
+        while pos < n:
+            # A piece never crosses a segment boundary of either side; between host
+            # memories (no segments) it is as large as the pacer allows.
+            end = n
+            for base, seg in ((s_base, s_seg), (d_base, d_seg)):
+                if seg:
+                    end = min(end, ((base + pos) // seg + 1) * seg - base)
+            if not s_seg and not d_seg:
+                step = self.pacer.call_bytes(direction)
+                if step:
+                    end = min(end, pos + step)
+            sp = s[pos:end] if not s_seg else _dev_piece(s, s_base + pos, end - pos)
+            dp = d[pos:end] if not d_seg else _dev_piece(d, d_base + pos, end - pos)
+            batch.add(sp, dp, direction)
+            pos = end
+
+
+# (source is device, destination is device) -> direction name for the pacer
+_DIRECTIONS = {
+    (False, True): "h2d",
+    (True, False): "d2h",
+    (True, True): "d2d",
+    (False, False): "h2h",
+}
 
 
 def _dev_piece(block: Block, pos: int, length: int) -> _Dev:
@@ -130,25 +214,34 @@ def _ort_copy(src: list[Any], dst: list[Any]) -> None:
         raise translate(exc, f"onnxruntime.copy_tensors of {len(src)} tensor(s)") from exc
 
 
+def _yield_gil() -> None:
+    time.sleep(0)  # let other threads (the event loop) take the GIL between ORT calls
+
+
 class _Batch:
     """Direct pieces grouped into ORT calls of one (source, destination) memory and at most
-    ``chunk`` bytes; pieces that cover part of a device segment go through a host bounce."""
+    the pacer's call size (several segments per call where one is smaller than that);
+    pieces that cover part of a device segment go through a host bounce."""
 
-    def __init__(self, chunk: int) -> None:
-        self._chunk = chunk
+    def __init__(self, pacer: CallPacer) -> None:
+        self._pacer = pacer
         self._src: list[Any] = []
         self._dst: list[Any] = []
         self._key: tuple[int, int] | None = None
+        self._direction = ""
+        self._limit = 0
         self._bytes = 0
 
-    def add(self, sp: Any, dp: Any) -> None:
+    def add(self, sp: Any, dp: Any, direction: str) -> None:
         s_host, d_host = isinstance(sp, np.ndarray), isinstance(dp, np.ndarray)
         if (s_host or _whole(sp)) and (d_host or _whole(dp)):
             key = (_key(sp), _key(dp))
             nbytes = sp.nbytes if s_host else sp[3]
-            if self._key != key or (self._chunk and self._bytes + nbytes > self._chunk):
+            if self._key != key or (self._limit and self._bytes + nbytes > self._limit):
                 self.flush()
-            self._key = key
+            if not self._src:
+                self._key, self._direction = key, direction
+                self._limit = self._pacer.call_bytes(direction)
             self._src.append(_ov(sp))
             self._dst.append(_ov(dp))
             self._bytes += nbytes
@@ -163,11 +256,13 @@ class _Batch:
     def flush(self) -> None:
         if not self._src:
             return
-        src, dst = self._src, self._dst
+        src, dst, nbytes = self._src, self._dst, self._bytes
         self._src, self._dst, self._key, self._bytes = [], [], None, 0
+        t0 = time.perf_counter()
         _ort_copy(src, dst)
+        self._pacer.record(self._direction, nbytes, time.perf_counter() - t0)
         del src, dst
-        time.sleep(0)  # let other threads (the event loop) take the GIL between ORT calls
+        _yield_gil()
 
 
 def _read(piece: _Dev) -> np.ndarray:
@@ -176,6 +271,7 @@ def _read(piece: _Dev) -> np.ndarray:
     value, size = block.segment(index)
     tmp = np.empty(size, np.uint8)
     _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)])
+    _yield_gil()
     return tmp[offset : offset + length]
 
 
@@ -183,7 +279,8 @@ def _write(piece: _Dev, data: np.ndarray) -> None:
     """Write ``data`` into part of a device segment: read, patch, write the whole segment.
 
     A partial upload is not safe: WebGPU rounds uploads up to 4 bytes and would
-    clobber the bytes after the piece.
+    clobber the bytes after the piece; and ORT's binding cannot address a byte
+    offset inside an opaque buffer, so no part of a segment can be written alone.
     """
     block, index, offset, length = piece
     value, size = block.segment(index)
@@ -191,4 +288,6 @@ def _write(piece: _Dev, data: np.ndarray) -> None:
         tmp = np.empty(size, np.uint8)
         _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)])
         tmp[offset : offset + length] = data
+        _yield_gil()
         _ort_copy([ort().OrtValue.ortvalue_from_numpy(tmp)], [value])
+    _yield_gil()
