@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
@@ -242,7 +243,10 @@ class Environment:
                     await stream.synchronize()
                 except Exception:
                     pass
-            self._teardown()
+            # Closing streams, transfers, allocators and factories may join threads or sync
+            # a device: do it off the event loop. The context variable is reset here, on it.
+            await anyio.to_thread.run_sync(self._release_everything)
+            self._reset_current()
 
     def close(self) -> None:
         """Blocking form of :meth:`aclose`, for synchronous scripts."""
@@ -261,6 +265,10 @@ class Environment:
         return [s for lib in self._libraries.values() for s in list(lib.streams)]
 
     def _teardown(self) -> None:
+        self._release_everything()
+        self._reset_current()
+
+    def _release_everything(self) -> None:
         self._state = _State.CLOSING
         libraries = list(reversed(self._libraries.values()))
         for stream in self._open_streams():
@@ -283,6 +291,8 @@ class Environment:
             self._close_factory(lib)
         self._libraries.clear()
         self._state = _State.CLOSED
+
+    def _reset_current(self) -> None:
         if self._token is not None:
             try:
                 _current.reset(self._token)
