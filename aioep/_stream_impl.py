@@ -17,7 +17,7 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from ._errors import NotImplementedByEp
+from ._errors import ClosedError, NotImplementedByEp
 
 __all__ = ["HostNotification", "NotificationImpl", "StreamImpl", "ThreadStream"]
 
@@ -267,7 +267,7 @@ class ThreadStream(StreamImpl):
 
     def _check_not_closed(self) -> None:
         if self._closed:
-            raise RuntimeError(f"stream {self.name} is closed")
+            raise ClosedError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
         with self._cond:

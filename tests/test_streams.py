@@ -630,3 +630,12 @@ async def test_host_stream_copies_in_order() -> None:
             (out,) = await fut
             assert out.numpy() is not None
             np.testing.assert_array_equal(c, a)
+
+
+def test_thread_stream_refuses_work_after_close_with_closed_error() -> None:
+    from aioep.abc import ThreadStream
+
+    stream = ThreadStream("closed-test")
+    stream.close()
+    with pytest.raises(aioep.ClosedError, match="closed-test"):
+        stream.enqueue(lambda: None)
