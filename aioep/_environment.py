@@ -11,6 +11,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class _Library:
     transfer: DataTransfer | None = None
     loader: ExternalDataLoader | None = None
     streams: set[SyncStream] = field(default_factory=set)
+    sessions: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # open sessions
     retired: list[Allocator] = field(default_factory=list)  # retired, still serving live buffers
 
 
@@ -233,6 +235,13 @@ class Environment:
             return
         self._state = _State.CLOSING
         with anyio.CancelScope(shield=True):
+            for session in {s for lib in self._libraries.values() for s in lib.sessions}:
+                warnings.warn(
+                    f"{session!r} was still open when the environment closed; closing it",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+                await session.aclose()
             for fut in list(self._inflight):
                 try:
                     await fut
@@ -416,7 +425,7 @@ class Environment:
             if in_use:
                 raise InUseError(
                     f"cannot unregister library {name!r}: still in use by {', '.join(in_use)}; "
-                    "close its streams, await its copies and drop its tensors first"
+                    "close its sessions and streams, await its copies and drop its tensors first"
                 )
             self._remove_library(lib)
 
@@ -429,6 +438,9 @@ class Environment:
         if live:
             where = ", ".join(f"{n} from {a.memory_info.name!r}" for a, n in live)
             reasons.append(f"{sum(n for _, n in live)} live buffer(s) ({where})")
+        sessions = list(lib.sessions)
+        if sessions:
+            reasons.append(f"{len(sessions)} open session(s) ({', '.join(map(repr, sessions))})")
         copies = sum(
             1 for f, libs in list(self._inflight.items()) if lib.name in libs and not f.done()
         )
@@ -708,6 +720,16 @@ class Environment:
             stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
             lib.streams.add(stream)
             return stream
+
+    def _track_session(self, session: Any, ep_devices: Sequence[EpDevice], *, open: bool) -> None:
+        """Count an open session against the libraries of its devices (unregister refuses)."""
+        for dev in ep_devices:
+            for lib in self._libraries.values():
+                if any(d is dev for d in lib.ep_devices):
+                    if open:
+                        lib.sessions.add(session)
+                    else:
+                        lib.sessions.discard(session)
 
     def _stream_library(self, stream: SyncStream) -> _Library:
         for lib in self._libraries.values():

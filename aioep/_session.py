@@ -135,7 +135,12 @@ async def create_session(
         if len({ep.name for ep in eps}) != len(eps):
             raise InvalidArgument(f"create_session: two EPs share a name: {[e.name for e in eps]}")
         session = Session._create(env, graph, eps)
-        await session._prepare(opts)
+        env._track_session(session, [d for devs in groups.values() for d in devs], open=True)
+        try:
+            await session._prepare(opts)
+        except BaseException:
+            env._track_session(session, [d for devs in groups.values() for d in devs], open=False)
+            raise
     except BaseException:
         for ep in eps:
             ep.release()
@@ -153,6 +158,7 @@ class Session:
     """
 
     __slots__ = (
+        "__weakref__",
         "_active",
         "_direct",
         "_env",
@@ -652,6 +658,9 @@ class Session:
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None
+            self._env._track_session(
+                self, [d for ep in self._eps for d in ep.ep_devices], open=False
+            )
 
     async def __aenter__(self) -> Session:
         if self._state is not _State.OPEN:

@@ -479,6 +479,30 @@ info = dev.memory_info()
             del x
             """,
         ),
+        (
+            "unregister while a session on the library is open",
+            """
+            import anyio
+            from onnx import TensorProto, helper
+            vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "xy"]
+            graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", vi[:1], vi[1:])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+            async def main():
+                sess = await env.create_session(model, [dev])
+                try:
+                    env.unregister_library("webgpu")
+                except aioep.InUseError as e:
+                    print("caught", e)
+                out = await sess.run({"x": np.ones(4, np.float32)}, output_location="host")
+                assert list(out["y"].numpy()) == [2.0] * 4
+                await sess.aclose()
+                del out
+                env.unregister_library("webgpu")   # nothing uses it any more
+
+            anyio.run(main)
+            """,
+        ),
     ],
 )
 def test_crash_cases_survive_in_subprocess(webgpu_path: str, case: str, code: str) -> None:
@@ -534,3 +558,29 @@ def test_arena_options_out_of_range_are_invalid_argument(webgpu_path: str) -> No
     if not arena:
         pytest.skip("aioep._arena is not there yet: only the DEVICE-allocator key was checked")
     assert "caught arena" in proc.stdout
+
+
+async def test_session_runs_on_the_real_webgpu_ep(webgpu_path: str) -> None:
+    """The session API drives a real plugin EP: ORT runs the claimed nodes with WebGPU
+    selected (add_provider_for_devices), and the results match ORT's CPU EP."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 8], np.linspace(-2, 2, 32).tolist())
+    nodes = [helper.make_node("Add", ["x", "w"], ["a"]), helper.make_node("Mul", ["a", "x"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [x_info], [y_info], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    expected = ort.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, {"x": x})[0]
+
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        async with await env.create_session(model, [dev]) as sess:
+            assert sess.assignment == (dev.ep_name, dev.ep_name)
+            out = await sess.run({"x": x}, output_location="host")
+            np.testing.assert_allclose(out["y"].numpy(), expected, rtol=1e-5, atol=1e-6)
+            del out

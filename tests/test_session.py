@@ -590,3 +590,26 @@ async def test_cancelled_run_holds_its_tensors_until_the_stream_passes() -> None
             out = await sess.run({"x": x})
             np.testing.assert_allclose(out["y"].numpy(), np.maximum(np.exp(x), 0), rtol=1e-6)
             del out
+
+
+async def test_unregister_refused_while_a_session_is_open() -> None:
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("ep", HostTestFactory("ep", claim_ops("Add")))
+        sess = await env.create_session(chain(), [dev])
+        with pytest.raises(aioep.InUseError, match="1 open session"):
+            env.unregister_library("ep")
+        assert "ep" in env.libraries
+        await sess.aclose()
+        env.unregister_library("ep")
+        assert "ep" not in env.libraries
+
+
+async def test_environment_exit_closes_and_reports_an_open_session() -> None:
+    env = aioep.Environment(autoload=False)
+    await env.__aenter__()
+    (dev,) = env.register_library("ep", HostTestFactory("ep", claim_ops("Add")))
+    sess = await env.create_session(chain(), [dev])
+    with pytest.warns(ResourceWarning, match="Session open"):
+        await env.aclose()
+    assert sess.closed
+    assert env.state == "closed"
