@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
+from anyio.abc import AsyncResource
 
 from ._allocator import Allocator
 from ._device import EpDevice
@@ -111,7 +111,7 @@ def copy_tensors(
     return current_environment().copy_tensors(src, dst, stream, allow_reshape=allow_reshape)
 
 
-class Environment:
+class Environment(AsyncResource):
     """Holds plugin libraries and everything they offer; the root object of aioep.
 
     ``async with Environment() as env`` registers the built-in host device and
@@ -215,14 +215,6 @@ class Environment:
 
     async def __aenter__(self) -> Environment:
         return self.open()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Wait for copies in flight, then release everything in dependency order; idempotent.

@@ -102,8 +102,9 @@ class CopyFuture:
             del keepalive  # a completed future holds no source buffer
             callbacks, self._callbacks = self._callbacks, []
             self._settle()
-        for fn in callbacks:
-            fn(self)
+        callbacks.reverse()
+        while callbacks:  # drop each before the next runs (see run_callbacks)
+            callbacks.pop()(self)
 
     def _settle(self) -> None:
         err = self._notification.impl.error()

@@ -19,13 +19,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
+from anyio.abc import AsyncResource
 
 from ._device import EpDevice
 from ._ep import CompiledNode, Ep, FusedGroup
@@ -148,7 +149,7 @@ async def create_session(
     return session
 
 
-class Session:
+class Session(AsyncResource):
     """A model partitioned across execution providers; create it with
     ``await env.create_session(model, ep_devices=[...])``.
 
@@ -666,14 +667,6 @@ class Session:
         if self._state is not _State.OPEN:
             raise ClosedError(f"{self!r} is closed")
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         eps = sorted(set(self.assignment)) or [CPU_EP_NAME]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Generator
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.abc import AsyncResource
 
 from ._errors import ClosedError, InvalidArgument, NotImplementedByEp
 from ._notification import Notification
@@ -22,7 +22,7 @@ __all__ = ["SyncStream"]
 _stream_uids = itertools.count(1)
 
 
-class SyncStream:
+class SyncStream(AsyncResource):
     """An in-order queue of device work (a ``CUstream`` on CUDA, a worker thread on sim).
 
     Create one with ``env.create_sync_stream(ep_device)`` or
@@ -193,14 +193,6 @@ class SyncStream:
     async def __aenter__(self) -> SyncStream:
         self._check_open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

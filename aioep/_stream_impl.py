@@ -101,6 +101,17 @@ def _poll(query: Callable[[], bool], timeout: float | None) -> bool:
     return True
 
 
+def run_callbacks(callbacks: list[Callable[[], None]]) -> None:
+    """Run and drop each callback in turn.
+
+    Each is released before the next runs: a later callback may wake a task that
+    expects the objects an earlier one referenced (a copy future) to be gone.
+    """
+    callbacks.reverse()
+    while callbacks:
+        callbacks.pop()()
+
+
 class HostNotification(NotificationImpl):
     """A notification completed by host code: :meth:`set` from any thread.
 
@@ -137,8 +148,7 @@ class HostNotification(NotificationImpl):
         callbacks = self._mark(error, generation)
         if callbacks is None:
             return False
-        for fn in callbacks:
-            fn()
+        run_callbacks(callbacks)
         return True
 
     def _mark(
@@ -319,8 +329,7 @@ class ThreadStream(StreamImpl):
                     self._busy = False
                     del error
             if kind == "signal":
-                for fn in callbacks or ():
-                    fn()
+                run_callbacks(callbacks or [])
                 del obj, callbacks
                 continue
             try:
