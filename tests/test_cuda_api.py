@@ -92,9 +92,9 @@ def scan(source: str, filename: str) -> list[Use]:
             if not isinstance(inner, ast.Call):
                 continue
             value, through = inner, True
-        use = calls.get(id(value))
-        if use is not None:
-            uses.append(Use(use.where, use.chain, None, n, through))
+        call = calls.get(id(value))
+        if call is not None:
+            uses.append(Use(call.where, call.chain, None, n, through))
     return uses
 
 
