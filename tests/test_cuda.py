@@ -397,6 +397,7 @@ async def test_h2d_d2h_d2d_bit_exact(allocator: str, use_stream: bool, host: str
             await env.copy_tensors([b], [out], stream=s)
             np.testing.assert_array_equal(out.numpy(), data)
             del a, b
+        del src, out  # pinned buffers must not outlive the environment (a ResourceWarning)
 
 
 @pytest.mark.gpu
@@ -485,6 +486,7 @@ async def test_poll_mode_wakes_too() -> None:
             await env.copy_tensors([data], [a], stream=stream)
             await env.copy_tensors([a], [out], stream=stream)
         np.testing.assert_array_equal(out, data)
+        del a  # must not outlive the environment (a ResourceWarning)
 
 
 @pytest.mark.gpu
