@@ -14,11 +14,14 @@ Writes benchmarks/results/cuda_copy.json. Run: ``python benchmarks/cuda_copy.py`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,22 @@ def _gpu_available() -> bool:
         return int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount")) > 0
     except Exception:
         return False
+
+
+@contextlib.contextmanager
+def _primary_context() -> Iterator[Any]:
+    """Device 0's primary context, current on this thread for the block (raw driver calls need
+    a current context; aioep only pushes its own around each call)."""
+    from aioep_cuda._driver import check, ctx_current, driver
+
+    drv = driver()
+    dev = check(drv.cuDeviceGet(0), "cuDeviceGet")
+    ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    try:
+        with ctx_current(ctx):
+            yield ctx
+    finally:
+        drv.cuDevicePrimaryCtxRelease(dev)
 
 
 def _baseline_bandwidth(
@@ -65,18 +84,19 @@ def _baseline_bandwidth(
         from aioep_cuda._driver import check, driver
 
         drv = driver()
-        s = check(drv.cuStreamCreate(1), "cuStreamCreate")
+        with _primary_context():
+            s = check(drv.cuStreamCreate(1), "cuStreamCreate")
 
-        def run_raw(dst: int, src: int) -> float:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                check(drv.cuMemcpyAsync(dst, src, nbytes, s), "cuMemcpyAsync")
-            check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
-            return nbytes * reps / (time.perf_counter() - t0) / 1e9
+            def run_raw(dst: int, src: int) -> float:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    check(drv.cuMemcpyAsync(dst, src, nbytes, s), "cuMemcpyAsync")
+                check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+                return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
-        run_raw(dev_ptr, host_ptr)
-        out = ("cuda.bindings", run_raw(dev_ptr, host_ptr), run_raw(host_ptr, dev_ptr))
-        drv.cuStreamDestroy(s)
+            run_raw(dev_ptr, host_ptr)
+            out = ("cuda.bindings", run_raw(dev_ptr, host_ptr), run_raw(host_ptr, dev_ptr))
+            drv.cuStreamDestroy(s)
         return out
 
 
@@ -132,28 +152,38 @@ def _to_thread_latency(n: int = 300) -> float:
     from aioep_cuda._driver import check, driver
 
     drv = driver()
-    s = check(drv.cuStreamCreate(1), "cuStreamCreate")
-    ev = check(drv.cuEventCreate(2), "cuEventCreate")
-    h = check(drv.cuMemHostAlloc(4096, 0), "cuMemHostAlloc")
-    d = check(drv.cuMemAlloc(4096), "cuMemAlloc")
+    with _primary_context() as ctx:
+        s = check(drv.cuStreamCreate(1), "cuStreamCreate")
+        ev = check(drv.cuEventCreate(2), "cuEventCreate")
+        h = check(drv.cuMemHostAlloc(4096, 0), "cuMemHostAlloc")
+        d = check(drv.cuMemAlloc(4096), "cuMemAlloc")
 
-    async def main() -> float:
-        samples = []
-        for _ in range(n):
-            check(drv.cuMemcpyAsync(d, h, 4096, s), "cuMemcpyAsync")
-            check(drv.cuEventRecord(ev, s), "cuEventRecord")
-            t0 = time.perf_counter()
-            await asyncio.to_thread(drv.cuEventSynchronize, ev)
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples) * 1e6
+        def synchronize() -> None:
+            check(drv.cuEventSynchronize(ev), "cuEventSynchronize")
 
-    try:
-        return asyncio.run(main())
-    finally:
-        drv.cuMemFree(d)
-        drv.cuMemFreeHost(h)
-        drv.cuEventDestroy(ev)
-        drv.cuStreamDestroy(s)
+        async def main() -> float:
+            # to_thread's workers get the context current once, as a CUDA app's threads would.
+            asyncio.get_running_loop().set_default_executor(
+                concurrent.futures.ThreadPoolExecutor(
+                    initializer=lambda: check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+                )
+            )
+            samples = []
+            for _ in range(n):
+                check(drv.cuMemcpyAsync(d, h, 4096, s), "cuMemcpyAsync")
+                check(drv.cuEventRecord(ev, s), "cuEventRecord")
+                t0 = time.perf_counter()
+                await asyncio.to_thread(synchronize)
+                samples.append(time.perf_counter() - t0)
+            return statistics.median(samples) * 1e6
+
+        try:
+            return asyncio.run(main())
+        finally:
+            drv.cuMemFree(d)
+            drv.cuMemFreeHost(h)
+            drv.cuEventDestroy(ev)
+            drv.cuStreamDestroy(s)
 
 
 def _numba_latency(n: int = 300) -> float | None:
