@@ -174,16 +174,18 @@ class CudaNotification(NotificationImpl):
             )
 
     # -- completion ------------------------------------------------------------------------
-    def _query_event(self) -> tuple[bool, BaseException | None]:
+    def _query_event(self, *, retried: bool = False) -> tuple[bool, BaseException | None]:
         drv = driver()
         err = drv.cuEventQuery(self._event)[0]
         if err == drv.CUresult.CUDA_SUCCESS:
             return True, None
         if err == drv.CUresult.CUDA_ERROR_NOT_READY:
             return False, None
-        if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread without a context
+        if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and not retried:
+            # A thread without a context: retry once with the device's context (a context
+            # that is itself invalid must end as an error, not recurse without end).
             with ctx_current(self._stream.device.ctx):
-                return self._query_event()
+                return self._query_event(retried=True)
         return True, DeviceError(
             f"work on {self._stream!r} before this event failed: {error_name(err)}"
         )
