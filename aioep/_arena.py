@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._allocator import Allocator
 from ._errors import ClosedError, DeviceError, EpError, InUseError, InvalidArgument
+from ._options import parse_int_option
 from ._tensor import Buffer
 from ._types import AllocatorType
 
@@ -194,20 +195,14 @@ class ArenaConfig:
 
 
 def _parse_int(key: str, raw: Any, unsigned: bool) -> int:
-    if isinstance(raw, bool):
-        raise InvalidArgument(f"arena option {key!r}={raw!r}: expected an integer, got a bool")
-    if isinstance(raw, int):
-        return int(raw)
-    if isinstance(raw, str):
-        # The whole string must parse (ORT's ParseStringWithClassicLocale); "-1" is the default.
-        if raw == "-1":
-            return -1
-        if _SIGNED.fullmatch(raw) if not unsigned else _UNSIGNED.fullmatch(raw):
-            return int(raw, 16) if raw[:2] in ("0x", "0X") else int(raw)
+    # ORT's syntax is stricter than the common option rules (ParseStringWithClassicLocale:
+    # the whole string, no whitespace or "+", hex only for unsigned types; "-1" is the
+    # default): check it here, then let parse_int_option apply the shared type rules
+    # (an int, not a bool or a float) and convert. The C-type range is checked by the caller.
+    syntax = _UNSIGNED if unsigned else _SIGNED
+    if isinstance(raw, str) and raw != "-1" and not syntax.fullmatch(raw):
         raise InvalidArgument(f"Failed to parse value for {key!r} from {raw!r}")
-    raise InvalidArgument(
-        f"arena option {key!r}={raw!r}: expected an int or a str, got {type(raw).__name__}"
-    )
+    return parse_int_option("arena", key, raw)
 
 
 # -- the arena -------------------------------------------------------------------------------

@@ -14,7 +14,16 @@ from aioep import (
     MemoryInfo,
     MemoryType,
 )
-from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
+from aioep.abc import (
+    Allocator,
+    DataTransfer,
+    EpFactory,
+    FactoryOptions,
+    StreamImpl,
+    parse_choice_option,
+    parse_int_option,
+    reject_unknown_options,
+)
 
 from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
@@ -25,7 +34,9 @@ from ._wake import Dispatcher
 
 __all__ = ["CudaFactory", "CudaOptions"]
 
+_OWNER = "cuda backend"
 _CHOICES = {"allocator": ("async", "sync"), "wake": ("hostfn", "poll")}
+_KNOWN = (*_CHOICES, "pool_release_threshold")
 
 
 @dataclass(frozen=True)
@@ -48,37 +59,26 @@ class CudaOptions:
 
     @classmethod
     def from_options(cls, options: FactoryOptions | None) -> CudaOptions:
-        """Validate ``options``; an unknown key or a bad value is an :class:`InvalidArgument`."""
+        """Validate ``options``; an unknown key or a bad value is an :class:`InvalidArgument`.
+
+        Values follow :mod:`aioep.abc`'s option rules: ``pool_release_threshold`` is an
+        int or an int string (decimal or ``0x`` hex, not a float).
+        """
+        reject_unknown_options(_OWNER, options, _KNOWN)
         opts = dict(options or {})
-        unknown = sorted(set(opts) - {"allocator", "wake", "pool_release_threshold"})
-        if unknown:
-            raise InvalidArgument(
-                f"cuda backend: unknown option(s) {unknown}; known: allocator, wake, "
-                "pool_release_threshold"
-            )
         values: dict[str, Any] = {}
         for key, choices in _CHOICES.items():
             if key in opts:
-                value = opts[key]
-                if not isinstance(value, str) or value not in choices:
-                    raise InvalidArgument(
-                        f"cuda backend: option {key!r} must be one of {list(choices)}, got {value!r}"
-                    )
-                values[key] = value
+                values[key] = parse_choice_option(_OWNER, key, opts[key], choices)
         if "pool_release_threshold" in opts:
-            raw = opts["pool_release_threshold"]
-            try:
-                if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                    raise ValueError
-                value = int(raw)
-            except (TypeError, ValueError):
-                value = -2
-            if value < -1:
-                raise InvalidArgument(
-                    "cuda backend: option 'pool_release_threshold' must be an int of bytes >= 0 "
-                    f"(or -1 for the driver's setting), got {raw!r}"
-                )
-            values["pool_release_threshold"] = value
+            # -1 leaves the driver's setting; the attribute is a cuuint64_t.
+            values["pool_release_threshold"] = parse_int_option(
+                _OWNER,
+                "pool_release_threshold",
+                opts["pool_release_threshold"],
+                minimum=-1,
+                maximum=(1 << 64) - 1,
+            )
         return cls(**values)
 
 
@@ -185,17 +185,16 @@ class CudaFactory(EpFactory):
         self, memory_info: MemoryInfo, options: FactoryOptions | None
     ) -> Allocator:
         dev = self._device_of(memory_info.device, "create_allocator")
-        opts = dict(options or {})
-        mode = opts.pop("allocator", self.options.allocator)
-        if opts:
-            raise InvalidArgument(f"cuda allocator: unknown option(s) {sorted(opts)}")
+        reject_unknown_options("cuda allocator", options, ("allocator",))
+        mode = parse_choice_option(
+            "cuda allocator",
+            "allocator",
+            (options or {}).get("allocator", self.options.allocator),
+            _CHOICES["allocator"],
+        )
         if memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
             return CudaPinnedAllocator(dev)
-        if mode not in _CHOICES["allocator"]:
-            raise InvalidArgument(
-                f"cuda allocator: option 'allocator' must be 'async' or 'sync', got {mode!r}"
-            )
-        return CudaDeviceAllocator(dev, str(mode))
+        return CudaDeviceAllocator(dev, mode)
 
     def create_data_transfer(self) -> DataTransfer | None:
         if not self.devices:
@@ -208,8 +207,7 @@ class CudaFactory(EpFactory):
     def create_sync_stream(
         self, memory_device: MemoryDevice, options: Mapping[str, Any] | None
     ) -> StreamImpl:
-        if options:
-            raise InvalidArgument(f"cuda stream: unknown option(s) {sorted(options)}")
+        reject_unknown_options("cuda stream", options, ())
         dev = self._device_of(memory_device, "create_sync_stream")
         assert self.dispatcher is not None
         return CudaStream(dev, self.dispatcher, wake=self.options.wake, owner=self)

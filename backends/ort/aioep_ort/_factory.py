@@ -21,7 +21,17 @@ from aioep import (
     MemoryType,
     NotImplementedByEp,
 )
-from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
+from aioep.abc import (
+    Allocator,
+    DataTransfer,
+    EpFactory,
+    FactoryOptions,
+    StreamImpl,
+    parse_bool_option,
+    parse_float_option,
+    parse_int_option,
+    reject_unknown_options,
+)
 
 from ._memory import AddressMap, OrtAllocator
 from ._ort import ort, translate
@@ -37,6 +47,15 @@ __all__ = ["OrtFactory", "OrtOptions", "OrtPluginDevice"]
 DEFAULT_CHUNK_MS = 8.0
 _SEMVER = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
 _HW_TYPES = {"CPU": DeviceType.CPU, "GPU": DeviceType.GPU, "NPU": DeviceType.NPU}
+_OWNER = "ort backend"
+_KNOWN = (
+    "library_path",
+    "registration_name",
+    "libraries",
+    "chunk_bytes",
+    "chunk_ms",
+    "device_check",
+)
 
 
 @dataclass(frozen=True)
@@ -60,20 +79,8 @@ class OrtOptions:
         Raises:
             InvalidArgument: an unknown key or a bad value.
         """
+        reject_unknown_options(_OWNER, options, _KNOWN)
         opts = dict(options or {})
-        known = {
-            "library_path",
-            "registration_name",
-            "libraries",
-            "chunk_bytes",
-            "chunk_ms",
-            "device_check",
-        }
-        unknown = sorted(set(opts) - known)
-        if unknown:
-            raise InvalidArgument(
-                f"ort backend: unknown option(s) {unknown}; known: {sorted(known)}"
-            )
         libs: list[tuple[str, str]] = []
         spec = opts.get("libraries", "")
         if not isinstance(spec, str):
@@ -108,40 +115,23 @@ class OrtOptions:
                     f"ort backend: plugin library {path!r} (for {name!r}) does not exist"
                 )
         chunk: int | None = None
-        if opts.get("chunk_bytes", "auto") != "auto":
-            chunk = _int_option(opts, "chunk_bytes", 0)
+        raw_chunk = opts.get("chunk_bytes", "auto")
+        if not (isinstance(raw_chunk, str) and raw_chunk.strip() == "auto"):
+            chunk = parse_int_option(_OWNER, "chunk_bytes", raw_chunk, minimum=0)
             if chunk != 0 and chunk < 4096:
                 raise InvalidArgument(
-                    "ort backend: chunk_bytes must be 'auto', 0 (no chunking) or >= 4096, "
-                    f"got {chunk}"
+                    "ort backend option 'chunk_bytes' must be 'auto', 0 (no chunking) or an "
+                    f"integer >= 4096, got {raw_chunk!r}"
                 )
-        ms = opts.get("chunk_ms", DEFAULT_CHUNK_MS)
-        try:
-            if isinstance(ms, bool):
-                raise ValueError
-            ms = float(ms)
-        except (TypeError, ValueError):
-            raise InvalidArgument(f"ort backend: chunk_ms must be a number, got {ms!r}") from None
-        if not 0.5 <= ms <= 1000:
-            raise InvalidArgument(f"ort backend: chunk_ms must be in [0.5, 1000], got {ms}")
-        check = _int_option(opts, "device_check", 1)
-        if check not in (0, 1):
-            raise InvalidArgument(f"ort backend: device_check must be 0 or 1, got {check}")
-        return cls(tuple(libs), chunk, ms, bool(check))
+        ms = parse_float_option(
+            _OWNER, "chunk_ms", opts.get("chunk_ms", DEFAULT_CHUNK_MS), minimum=0.5, maximum=1000
+        )
+        check = parse_bool_option(_OWNER, "device_check", opts.get("device_check", True))
+        return cls(tuple(libs), chunk, ms, check)
 
 
 def _no_segments() -> int:
     return 0
-
-
-def _int_option(opts: Mapping[str, Any], key: str, default: int) -> int:
-    value = opts.get(key, default)
-    try:
-        if isinstance(value, (bool, float)):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"ort backend: {key} must be an int, got {value!r}") from None
 
 
 class OrtPluginDevice(EpDevice):
@@ -366,8 +356,7 @@ class OrtFactory(EpFactory):
     def create_sync_stream(
         self, memory_device: MemoryDevice, options: Mapping[str, Any] | None
     ) -> StreamImpl:
-        if options:
-            raise InvalidArgument(f"ort stream: unknown option(s) {sorted(options)}")
+        reject_unknown_options("ort stream", options, ())
         found = self._ort_memory.get(memory_device)
         if found is None:
             raise InvalidArgument(f"{self!r} has no memory {memory_device}")

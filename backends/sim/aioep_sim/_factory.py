@@ -6,7 +6,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aioep import EpDevice, HardwareDevice, InvalidArgument, MemoryDevice, MemoryInfo, MemoryType
-from aioep.abc import Allocator, DataTransfer, EpFactory, FactoryOptions, StreamImpl
+from aioep.abc import (
+    Allocator,
+    DataTransfer,
+    EpFactory,
+    FactoryOptions,
+    StreamImpl,
+    reject_unknown_options,
+)
 
 from ._device import SIM_VENDOR_ID, SimDevice
 from ._ep import SimEp
@@ -76,8 +83,7 @@ class SimFactory(EpFactory):
     def create_allocator(
         self, memory_info: MemoryInfo, options: FactoryOptions | None
     ) -> Allocator:
-        if options:
-            raise InvalidArgument(f"sim allocator: unknown option(s) {sorted(options)}")
+        reject_unknown_options("sim allocator", options, ())
         dev = self.device(memory_info)
         if memory_info.device == dev.memory_info.device:
             return SimAllocator(memory_info, dev)
@@ -98,8 +104,7 @@ class SimFactory(EpFactory):
     def create_sync_stream(
         self, memory_device: MemoryDevice, options: Mapping[str, Any] | None
     ) -> StreamImpl:
-        if options:
-            raise InvalidArgument(f"sim stream: unknown option(s) {sorted(options)}")
+        reject_unknown_options("sim stream", options, ())
         dev = self.device(memory_device)
         if memory_device.memory_type is not MemoryType.DEFAULT:
             raise InvalidArgument(

@@ -2,35 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from aioep import InvalidArgument
+from aioep.abc import parse_float_option, parse_int_option, reject_unknown_options
 
 __all__ = ["SimOptions"]
 
-
-def _number(name: str, value: Any, *, integer: bool, minimum: float) -> Any:
-    # Options may arrive as strings (config files, ORT-style key/value pairs).
-    if isinstance(value, bool):
-        raise InvalidArgument(f"sim backend option {name!r}: expected a number, got {value!r}")
-    try:
-        if integer:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            number: float = int(value)
-        else:
-            number = float(value)
-    except (TypeError, ValueError):
-        kind = "an int" if integer else "a number"
-        raise InvalidArgument(
-            f"sim backend option {name!r}: expected {kind}, got {value!r}"
-        ) from None
-    if math.isnan(number) or math.isinf(number) or number < minimum:
-        raise InvalidArgument(f"sim backend option {name!r}: must be >= {minimum}, got {value!r}")
-    return number
+_OWNER = "sim backend"
+# option -> (minimum, maximum); the int options, then the number options
+_INTS: dict[str, tuple[int, int | None]] = {
+    "num_devices": (0, 64),
+    "memory_bytes": (1, None),
+    "fail_after_copies": (0, None),
+    "lose_device_after_copies": (0, None),
+}
+_FLOATS: dict[str, tuple[float, float | None]] = {
+    "bandwidth_gbps": (0.0, None),
+    "latency_us": (0.0, None),
+}
 
 
 @dataclass(frozen=True)
@@ -54,33 +45,23 @@ class SimOptions:
     def from_options(cls, options: Mapping[str, Any] | None) -> SimOptions:
         """Validate a mapping of option name -> str/int/float.
 
+        Values follow :mod:`aioep.abc`'s option rules: counts and sizes are ints or int
+        strings (decimal or ``0x`` hex; never floats), rates and times are numbers or
+        number strings.
+
         Raises:
             InvalidArgument: an unknown option or a bad value (the message names it).
         """
         if options is None:
             return cls()
-        if not isinstance(options, Mapping):
-            raise InvalidArgument(
-                f"sim backend options must be a mapping, got {type(options).__name__}"
-            )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in options if k not in known)
-        if unknown:
-            raise InvalidArgument(
-                f"sim backend: unknown option(s) {unknown}; known options are {sorted(known)}"
-            )
+        reject_unknown_options(_OWNER, options, [f.name for f in fields(cls)])
         values: dict[str, Any] = {}
         for name, value in options.items():
-            if name == "num_devices":
-                values[name] = _number(name, value, integer=True, minimum=0)
-                if values[name] > 64:
-                    raise InvalidArgument(
-                        f"sim backend option 'num_devices': at most 64, got {value!r}"
-                    )
-            elif name == "memory_bytes":
-                values[name] = _number(name, value, integer=True, minimum=1)
-            elif name in ("bandwidth_gbps", "latency_us"):
-                values[name] = _number(name, value, integer=False, minimum=0)
-            elif value is not None:  # the fault-injection counts
-                values[name] = _number(name, value, integer=True, minimum=0)
+            if name in _FLOATS:
+                lo, hi = _FLOATS[name]
+                values[name] = parse_float_option(_OWNER, name, value, minimum=lo, maximum=hi)
+            elif value is not None or not name.endswith("_copies"):
+                # (None, the default of the fault-injection counts, means never)
+                ilo, ihi = _INTS[name]
+                values[name] = parse_int_option(_OWNER, name, value, minimum=ilo, maximum=ihi)
         return cls(**values)
