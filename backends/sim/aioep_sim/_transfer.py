@@ -97,7 +97,9 @@ class SimDataTransfer(DataTransfer):
         src_addr, src_keep = self._side(src, sdev, n)
         dst_addr, dst_keep = self._side(dst, ddev, n)
         if self._latency:
-            time.sleep(self._latency)
+            # Runs on a stream's worker thread or the core's copy executor, never inline on
+            # the event loop: max_inline_bytes is 0 whenever latency or bandwidth is set.
+            time.sleep(self._latency)  # loop-safe
         if not self._bytes_per_s:
             _memmove(dst_addr, src_addr, n)
             return
