@@ -55,6 +55,26 @@ _libc.mmap.argtypes = [
 ]
 
 
+# (ratio name, loader run, baseline run): loader throughput / baseline throughput.
+RATIOS = (
+    ("sim_loader_vs_fresh", "sim_loader", "raw_readinto_fresh"),
+    ("builtin_vs_fresh", "builtin", "raw_readinto_fresh"),
+    ("sim_loader_steady_vs_reused", "sim_loader_steady", "raw_readinto"),
+    ("builtin_steady_vs_reused", "builtin_steady", "raw_readinto"),
+    ("sim_loader_steady_vs_touched", "sim_loader_steady", "raw_readinto_touched"),
+    ("builtin_steady_vs_touched", "builtin_steady", "raw_readinto_touched"),
+)
+
+
+def ratios(seconds: dict[str, float]) -> dict[str, float]:
+    """The RATIOS whose two runs were both measured, from their times in seconds."""
+    return {
+        name: round(seconds[base] / seconds[run], 3)
+        for name, run, base in RATIOS
+        if run in seconds and base in seconds
+    }
+
+
 def make_model(directory: Path, size: int, tensors: int) -> Path:
     """A model with ``tensors`` float32 initializers totalling ``size`` bytes in one file."""
     from onnx import TensorProto, helper
@@ -311,20 +331,7 @@ def main() -> None:
         # load_initializers writes fresh device memory: compare with a raw read into fresh
         # memory; the loaders alone (device memory already touched) compare with the raw read
         # into a reused buffer.
-        results["warm_ratio_vs_raw"] = {
-            "sim_loader_vs_fresh": round(warm["raw_readinto_fresh"] / warm["sim_loader"], 3),
-            "builtin_vs_fresh": round(warm["raw_readinto_fresh"] / warm["builtin"], 3),
-            "sim_loader_steady_vs_reused": round(
-                warm["raw_readinto"] / warm["sim_loader_steady"], 3
-            ),
-            "builtin_steady_vs_reused": round(warm["raw_readinto"] / warm["builtin_steady"], 3),
-            "sim_loader_steady_vs_touched": round(
-                warm["raw_readinto_touched"] / warm["sim_loader_steady"], 3
-            ),
-            "builtin_steady_vs_touched": round(
-                warm["raw_readinto_touched"] / warm["builtin_steady"], 3
-            ),
-        }
+        results["warm_ratio_vs_raw"] = ratios(warm)
 
         if not args.no_cold:
             how = drop_cache(data)
@@ -356,18 +363,7 @@ def main() -> None:
                     k: {"seconds": round(v, 4), "gbps": round(gbps(v), 3)} for k, v in cold.items()
                 }
                 results["cold_cached_fraction_before_run"] = residue
-                results["cold_ratio_vs_raw"] = {
-                    "sim_loader_vs_fresh": round(
-                        cold["raw_readinto_fresh"] / cold["sim_loader"], 3
-                    ),
-                    "builtin_vs_fresh": round(cold["raw_readinto_fresh"] / cold["builtin"], 3),
-                    "sim_loader_steady_vs_reused": round(
-                        cold["raw_readinto"] / cold["sim_loader_steady"], 3
-                    ),
-                    "builtin_steady_vs_reused": round(
-                        cold["raw_readinto"] / cold["builtin_steady"], 3
-                    ),
-                }
+                results["cold_ratio_vs_raw"] = ratios(cold)
 
         onnx_seconds, onnx_rss = onnx_load(model)
         results["onnx_load"] = {
