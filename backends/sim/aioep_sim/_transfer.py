@@ -121,7 +121,7 @@ class SimDataTransfer(DataTransfer):
             _memmove(dst_addr, src_addr, n)
             remaining = start + n / self._bytes_per_s - time.perf_counter()
             if remaining > 0:
-                time.sleep(remaining)
+                time.sleep(remaining)  # loop-safe: bandwidth set means never inline (see above)
             for dev, name in engines:
                 dev.record_engine_use(name, n, start)
         finally:
