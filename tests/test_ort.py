@@ -382,33 +382,50 @@ async def test_streams_not_supported_by_webgpu(webgpu_path: str) -> None:
             env.create_sync_stream(dev)
 
 
-async def test_event_loop_keeps_running_during_a_large_copy(webgpu_path: str) -> None:
-    async with aioep.Environment(autoload=False) as env:
-        (dev,) = env.register_library("webgpu", webgpu_path)
-        n = 64 << 20  # calls are sized by time (~8 ms each): several of them
-        a = np.ones(n, np.uint8)
+async def test_event_loop_keeps_running_during_a_large_copy(
+    webgpu_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A large copy is split into ORT calls with the GIL released between them: the loop
+    # must run *between* two calls, not only before the first and after the last. Count
+    # the calls (fixed 4 MiB each) and record, on every loop tick, how many had finished.
+    # No timing bound here: benchmarks/ort_copy.py measures the loop lag.
+    import onnxruntime as ort_module
+    real_copy = ort_module.copy_tensors
+    finished = 0
+
+    def counting_copy(*args: Any) -> None:
+        nonlocal finished
+        real_copy(*args)
+        finished += 1
+
+    monkeypatch.setattr(ort_module, "copy_tensors", counting_copy)
+    options = {"ort": {"libraries": f"webgpu={webgpu_path}", "chunk_bytes": 4 << 20}}
+    async with aioep.Environment(backends=["ort"], backend_options=options) as env:
+        (dev,) = env.ep_devices(ep_name="WebGpuExecutionProvider")
+        n = 64 << 20
+        a = np.arange(n, dtype=np.uint32).view(np.uint8)[:n]
         x = env.empty(n, np.uint8, dev.memory_info())
-        await aioep.copy_tensors([a[:4096]], [aioep.Tensor(x.buffer, (4096,), np.uint8)])
-        ticks = []
+        try:
+            seen: list[int] = []
 
-        async def ticker() -> None:
-            while True:
-                ticks.append(time.perf_counter())
-                await anyio.sleep(0.001)
+            async def ticker() -> None:
+                while True:
+                    seen.append(finished)
+                    await anyio.sleep(0.001)
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            t0 = time.perf_counter()
-            await aioep.copy_tensors([a], [x])
-            elapsed = time.perf_counter() - t0
-            tg.cancel_scope.cancel()
-        gaps = np.diff(ticks)
-        # Chunked copies release the GIL between ORT calls: the loop ticks throughout.
-        # (Each call is sized to hold the GIL for about chunk_ms = 8 ms.)
-        # (Loose bound for a loaded CI machine; benchmarks/ort_copy.py measures the lag.)
-        assert len(ticks) > 5
-        assert gaps.max() < max(0.25, elapsed / 4)
-        del x
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await anyio.sleep(0)
+                before = finished
+                await aioep.copy_tensors([a], [x])
+                calls = finished - before
+                tg.cancel_scope.cancel()
+            assert calls == n // (4 << 20)
+            assert any(before < c < before + calls for c in seen), (calls, seen)
+            back = await aioep.copy_tensors([x], [np.empty(n, np.uint8)])
+            np.testing.assert_array_equal(back[0], a)
+        finally:
+            del x
 
 
 # -- crash cases of ORT's binding, each in a subprocess --------------------------------------

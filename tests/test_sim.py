@@ -270,9 +270,9 @@ async def test_latency_is_paid_per_copy_off_the_loop(make_env: MakeEnv) -> None:
     x = env.empty(4, "float32", sim_devices(env)[0].memory_info(MemoryType.DEFAULT))
     t0 = time.perf_counter()
     fut = aioep.copy_tensors([np.zeros(4, np.float32)], [x])
-    assert time.perf_counter() - t0 < 0.015  # enqueued, not run on the loop
+    assert not fut.done()  # enqueued: the 20 ms latency is not paid on the loop
     await fut
-    assert time.perf_counter() - t0 >= 0.02
+    assert time.perf_counter() - t0 >= 0.02  # but it is paid
 
 
 # -- fault injection ---------------------------------------------------------------------------
