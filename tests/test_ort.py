@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from functools import cache
 from typing import Any, ClassVar
 
@@ -390,6 +389,7 @@ async def test_event_loop_keeps_running_during_a_large_copy(
     # the calls (fixed 4 MiB each) and record, on every loop tick, how many had finished.
     # No timing bound here: benchmarks/ort_copy.py measures the loop lag.
     import onnxruntime as ort_module
+
     real_copy = ort_module.copy_tensors
     finished = 0
 
@@ -415,7 +415,6 @@ async def test_event_loop_keeps_running_during_a_large_copy(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker)
-                await anyio.sleep(0)
                 before = finished
                 await aioep.copy_tensors([a], [x])
                 calls = finished - before
