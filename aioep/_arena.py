@@ -33,6 +33,7 @@ from ._tensor import Buffer
 from ._types import AllocatorType
 
 if TYPE_CHECKING:
+    from ._notification import Notification
     from ._stream import SyncStream
 
 __all__ = ["ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
@@ -328,6 +329,8 @@ class ArenaAllocator(Allocator):
         self._busy = False
         self._deferred: list[_Chunk] = []
         self._watch: list[_Region] = []  # free regions to give back once their stream passes
+        # Such regions whose stream's notifications cannot call back: checked on later calls.
+        self._polled: list[tuple[_Region, Notification]] = []
         # Freed chunks parked by exact size before coalescing, like malloc's fast bins: an
         # alloc/free cycle of one size then costs a list append and pop. They are coalesced
         # before the arena would extend, and whenever a caller looks at the chunks.
@@ -497,7 +500,12 @@ class ArenaAllocator(Allocator):
                 self._num_shrinkages += len(gone)
             finally:
                 self._end_section()
-        return self._free_regions(gone)
+        freed = self._free_regions(gone)
+        if self._polled:
+            before = self._reserved_bytes
+            self._give_back_polled()
+            freed += before - self._reserved_bytes
+        return freed
 
     def release_stream_buffers(self, stream: SyncStream) -> None:
         """Forget ``stream`` on its free chunks so any stream can take them (ORT's
@@ -713,6 +721,8 @@ class ArenaAllocator(Allocator):
                 return chunk
         # Wholly free regions did not fit the request (regions never coalesce with each
         # other): give them back before extending, so the new region does not add to them.
+        if self._polled:
+            self._give_back_polled()
         gone = self._take_free_regions()
         if gone:
             self._num_shrinkages += len(gone)
@@ -807,9 +817,14 @@ class ArenaAllocator(Allocator):
             if self._deferred:
                 self._end_section()
             self._busy = False
+            watch = self._watch
+            if watch:  # a reserved region freed while its stream may still use it
+                self._watch = []
             lock.release()
         if gone is not None:
             self._free_regions([gone])
+        for region in watch:
+            self._release_when_stream_passes(region)
 
     def _release_chunk(self, chunk: _Chunk) -> None:
         """Return a chunk whose buffer was freed (from any thread)."""
@@ -965,7 +980,30 @@ class ArenaAllocator(Allocator):
             self._give_back_later(region)  # the stream closed meanwhile: its work is done
             return
         if not mark.impl.add_done_callback(lambda: self._give_back_later(region)):
+            # This backend's notifications cannot call back. Never block the freeing
+            # thread (it may run the event loop): later arena calls check the mark. A
+            # closed arena has no later calls: it waits (environments close off the loop).
+            with self._lock:
+                self._polled.append((region, mark))
+            if self._closed:
+                self._give_back_polled(wait=True)
+
+    def _give_back_polled(self, *, wait: bool = False) -> None:
+        """Give back polled regions whose stream has passed them (all of them, waiting on
+        the host, with ``wait``: only closing does that, off the loop in an environment)."""
+        with self._lock:
+            polled, self._polled = self._polled, []
+            pending = []
+            for region, mark in polled:
+                if mark.done():
+                    self._give_back_later(region)
+                else:
+                    pending.append((region, mark))
+            self._polled += pending
+        for region, mark in pending if wait else ():
             mark.wait()
+            with self._lock:
+                self._polled.remove((region, mark))
             self._give_back_later(region)
 
     def _give_back_later(self, region: _Region) -> None:

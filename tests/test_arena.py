@@ -8,6 +8,7 @@ import gc
 import itertools
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,17 +59,35 @@ class _MockNotification(NotificationImpl):
     def query(self) -> bool:
         return self.stream.completed >= self.mark
 
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        if not self.stream.callbacks:
+            return False  # the base class's answer: this notification cannot call back
+        if self.query():
+            fn()
+        else:
+            self.stream.waiters.append(fn)
+        return True
+
 
 class _MockStream(StreamImpl):
-    def __init__(self) -> None:
+    def __init__(self, *, callbacks: bool = False) -> None:
         self.enqueued = 1  # pretend work was enqueued: not idle until the test completes it
         self.completed = 0
+        self.callbacks = callbacks
+        self.waiters: list[Callable[[], None]] = []
 
     def create_notification(self) -> NotificationImpl:
         return _MockNotification(self)
 
     def query(self) -> bool | None:
         return self.completed >= self.enqueued
+
+    def complete(self) -> None:
+        """The device passed everything enqueued so far."""
+        self.completed = self.enqueued
+        waiters, self.waiters = self.waiters, []
+        for fn in waiters:
+            fn()
 
     def close(self) -> None:
         pass
@@ -77,8 +96,8 @@ class _MockStream(StreamImpl):
 _HOST_EP_DEVICE = HostFactory().get_supported_devices([])[0]
 
 
-def mock_stream() -> SyncStream:
-    return SyncStream(_MockStream(), _HOST_EP_DEVICE)
+def mock_stream(*, callbacks: bool = False) -> SyncStream:
+    return SyncStream(_MockStream(callbacks=callbacks), _HOST_EP_DEVICE)
 
 
 # -- ArenaConfig ---------------------------------------------------------------------------------
@@ -590,6 +609,70 @@ def test_completed_point_allows_reuse() -> None:
     b2 = a.alloc(4096, stream=s1)
     b2.free()
     assert a.alloc(4096).ptr == b2.ptr
+
+
+def _free_in_thread(buf: aioep.Buffer) -> None:
+    """Free ``buf`` on another thread and fail if that blocks (as it would on the loop)."""
+    freed = threading.Event()
+    t = threading.Thread(target=lambda: (buf.free(), freed.set()), daemon=True)
+    t.start()
+    assert freed.wait(10), "freeing the buffer blocked until its stream passed"
+
+
+@pytest.mark.parametrize("callbacks", [True, False], ids=["notified", "polled"])
+def test_reserved_region_goes_back_only_once_its_stream_passes(callbacks: bool) -> None:
+    base = HostAllocator()
+    a = ArenaAllocator(base)
+    s = mock_stream(callbacks=callbacks)
+    big = a.reserve(4 * MiB, stream=s)
+    region = (big.ptr, 4 * MiB)
+    _free_in_thread(big)
+    del big
+    assert region in a.regions()  # the stream may still be using it
+    assert base.stats()["LiveBuffers"] == 1
+    impl = s.impl
+    assert isinstance(impl, _MockStream)
+    impl.complete()
+    if not callbacks:
+        assert region in a.regions()  # nothing told the arena: its next call checks
+        assert a.shrink() == 4 * MiB
+    assert region not in a.regions()
+    assert base.stats()["LiveBuffers"] == 0
+    assert a.stats()["TotalAllocated"] == 0
+
+
+def test_polled_region_goes_back_before_the_arena_extends() -> None:
+    base = HostAllocator()
+    a = ArenaAllocator(base, ArenaConfig(max_mem=6 * MiB))
+    s = mock_stream()
+    _free_in_thread(a.reserve(4 * MiB, stream=s))
+    with pytest.raises(DeviceError, match="out of memory"):
+        a.alloc(4 * MiB)  # the stream has not passed: the region still counts
+    impl = s.impl
+    assert isinstance(impl, _MockStream)
+    impl.complete()
+    buf = a.alloc(4 * MiB)  # the region went back, so the arena could extend
+    assert a.stats()["TotalAllocated"] == 4 * MiB
+    buf.free()
+
+
+def test_closing_waits_for_a_polled_region_then_retires_the_base() -> None:
+    base = HostAllocator()
+    a = ArenaAllocator(base)
+    s = mock_stream()
+    _free_in_thread(a.reserve(4 * MiB, stream=s))
+    closer = threading.Thread(target=a.close, daemon=True)
+    closer.start()
+    closer.join(0.1)
+    assert closer.is_alive()  # closing, off the loop, waits for the stream
+    assert base.stats()["LiveBuffers"] == 1
+    impl = s.impl
+    assert isinstance(impl, _MockStream)
+    impl.complete()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert base.stats()["LiveBuffers"] == 0
+    assert a.regions() == []
 
 
 def test_unsynchronised_stream_never_gets_pending_memory() -> None:
