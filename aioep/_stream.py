@@ -164,10 +164,17 @@ class SyncStream(AsyncResource):
         if self._closed:
             return
         with anyio.CancelScope(shield=True):
-            try:
-                await self.record()
-            except Exception:
-                pass
+            # Work other tasks enqueue while this waits is waited for too: releasing the
+            # stream (a backend may join its worker) must find it idle, not drain it on
+            # the loop.
+            while not self._closed:
+                try:
+                    mark = self.record()
+                    await mark
+                except Exception:
+                    break
+                if not self._dirty and self._tail is mark:
+                    break
             self._release()
 
     def close(self) -> None:

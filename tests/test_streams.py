@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from _factories import MakeEnv
@@ -415,6 +416,41 @@ async def test_sync_wait_with_timeout_from_a_plain_thread(make_env: MakeEnv) -> 
         assert results["tensors"][0] is buf
         assert fut.status is aioep.CopyStatus.DONE
         assert fut.result() == [buf]
+
+
+async def test_aclose_waits_for_work_enqueued_meanwhile_before_releasing(make_env: MakeEnv) -> None:
+    # Releasing a sim stream joins its worker thread: that must find it idle, or the
+    # join would run the late work on the event loop.
+    env = await make_env(latency_us=30_000)
+    dev = sim_device(env)
+    x = device_empty(env, dev, (4,))
+    src = np.arange(4, dtype=np.int64)
+    s = env.create_sync_stream(dev)
+    idle_at_release: list[bool | None] = []
+    impl = s.impl
+    real_close = impl.close
+
+    def close() -> None:
+        idle_at_release.append(impl.query())
+        real_close()
+
+    impl.close = close  # type: ignore[method-assign]
+    aioep.copy_tensors([src], [x], stream=s)
+    late: list[aioep.CopyFuture] = []
+
+    async def enqueue_while_closing() -> None:
+        await anyio.lowlevel.checkpoint()  # aclose is now waiting for the first copy
+        late.append(aioep.copy_tensors([src + 1], [x], stream=s))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.aclose)
+        tg.start_soon(enqueue_while_closing)
+    assert s.closed
+    assert late[0].done()
+    assert idle_at_release == [True]
+    out = np.zeros(4, np.int64)
+    await aioep.copy_tensors([x], [out])
+    np.testing.assert_array_equal(out, src + 1)
 
 
 async def test_thousand_awaiters_do_not_make_a_thousand_threads(make_env: MakeEnv) -> None:
