@@ -154,11 +154,17 @@ class Ep(abc.ABC):
 
     @abc.abstractmethod
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
-        """The node groups this EP claims (skip nodes where ``graph.assigned_ep(i)`` is set)."""
+        """The node groups this EP claims (skip nodes where ``graph.assigned_ep(i)`` is set).
+
+        Called in a worker thread (off the event loop) while the session is created.
+        """
 
     @abc.abstractmethod
     def compile(self, fused_groups: Sequence[FusedGroup]) -> list[CompiledNode]:
-        """One compiled node per fused group, in the same order."""
+        """One compiled node per fused group, in the same order.
+
+        Called once per session, in a worker thread (off the event loop).
+        """
 
     def release(self) -> None:
         """Free what the EP holds; called when the session closes."""

@@ -215,7 +215,8 @@ class Session(AsyncResource):
     async def _prepare(self, opts: Mapping[str, Any]) -> None:
         env, graph = self._env, self.graph
         try:
-            partitions = partition_graph(graph, self._eps)
+            # Claims and graph checks can be long on a large model: off the loop.
+            partitions = await anyio.to_thread.run_sync(partition_graph, graph, self._eps)
             self.assignment = assignment_of(graph, partitions)
             steps: list[_Step] = []
             by_ep: dict[str, list[_Step]] = {}
@@ -231,15 +232,15 @@ class Session(AsyncResource):
                     stream = env.create_sync_stream(ep.ep_devices[0])
                     self._streams[ep.name] = stream
                 memory = ep.memory_info
-                constants: dict[str, Tensor] = {}
-                for name in part.meta_def.inputs:
-                    init = graph.initializers.get(name)
-                    if init is None:
-                        continue
-                    key = (name, memory.device)
-                    if key not in uploads:
-                        uploads[key] = await self._upload(init.numpy(), memory, stream)
-                    constants[name] = uploads[key]
+                names = [n for n in part.meta_def.inputs if n in graph.initializers]
+                # Reading an initializer may read its external file and convert it: one
+                # worker-thread call per partition keeps that off the event loop.
+                todo = [n for n in names if (n, memory.device) not in uploads]
+                if todo:
+                    arrays = await anyio.to_thread.run_sync(_read_initializers, graph, todo)
+                    for name, array in zip(todo, arrays):
+                        uploads[name, memory.device] = await self._upload(array, memory, stream)
+                constants = {n: uploads[n, memory.device] for n in names}
                 step = _Step(
                     part, memory, stream, MappingProxyType(constants), part.meta_def.inputs
                 )
@@ -257,7 +258,7 @@ class Session(AsyncResource):
                     )
                     for s in ep_steps
                 ]
-                compiled = ep.compile(fused)
+                compiled = await anyio.to_thread.run_sync(ep.compile, fused)
                 if len(compiled) != len(fused):
                     raise InvalidArgument(
                         f"EP {ep.name!r}: compile returned {len(compiled)} node(s) for "
@@ -286,9 +287,9 @@ class Session(AsyncResource):
         self, array: npt.NDArray[Any], memory: MemoryInfo, stream: SyncStream | None
     ) -> Tensor:
         if memory.device.device_type is DeviceType.CPU:
-            return Tensor.from_numpy(np.ascontiguousarray(array))
+            return Tensor.from_numpy(array)
         dst = self._env.empty(array.shape, array.dtype, memory, stream=stream)
-        await self._env.copy_tensors([np.ascontiguousarray(array)], [dst], stream)
+        await self._env.copy_tensors([array], [dst], stream)
         return dst
 
     # -- public ----------------------------------------------------------------------------
@@ -733,3 +734,8 @@ def _make_ort_sessions(
         missing = [o for o in outputs if o not in step.ort_outputs]
         if missing:
             raise EpError(f"CPU fallback part {meta.name!r} does not produce {missing}")
+
+
+def _read_initializers(graph: GraphView, names: list[str]) -> list[npt.NDArray[Any]]:
+    """The data of ``names``, contiguous (runs in a worker thread)."""
+    return [np.ascontiguousarray(graph.initializers[n].numpy()) for n in names]

@@ -19,6 +19,7 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 import aioep  # noqa: E402
+import aioep._session  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
 from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
 from aioep._graph import GraphView  # noqa: E402
@@ -71,12 +72,14 @@ class HostTestEp(Ep):
         self.claim = claim
         self.calls = 0
         self.compiled: list[FusedGroup] = []
+        self.compile_thread = 0
         self.released = False
 
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
         return self.claim(graph)
 
     def compile(self, fused_groups: Sequence[FusedGroup]) -> list[CompiledNode]:
+        self.compile_thread = threading.get_ident()
         self.compiled.extend(fused_groups)
         return [_HostKernel(self, g) for g in fused_groups]
 
@@ -340,6 +343,35 @@ async def test_model_from_path_and_host_device(tmp_path: Any) -> None:
             assert sess.assignment == (CPU,) * 7
             x = np.ones((2, 8), np.float32)
             assert_matches(await sess.run({"x": x}), reference(mlp(), {"x": x}))
+
+
+async def test_claims_initializer_reads_and_compile_run_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each can be long on a large model (an external-data read, an ORT session build).
+    threads: dict[str, int] = {}
+    real_read = aioep._session._read_initializers
+
+    def read(graph: GraphView, names: list[str]) -> list[np.ndarray]:
+        threads["read"] = threading.get_ident()
+        return real_read(graph, names)
+
+    def claim(graph: GraphView) -> list[IndexedSubGraph]:
+        threads["claim"] = threading.get_ident()
+        return claim_ops("MatMul", "Add")(graph)
+
+    monkeypatch.setattr(aioep._session, "_read_initializers", read)
+    async with (
+        environment(ep=claim) as (env, devs),
+        await env.create_session(mlp(), [devs["ep"]]) as sess,
+    ):
+        (ep,) = devs["ep"].factory.eps
+        threads["compile"] = ep.compile_thread
+        x = np.ones((2, 8), np.float32)
+        assert_matches(await sess.run({"x": x}), reference(mlp(), {"x": x}))
+    loop = threading.get_ident()
+    assert set(threads) == {"read", "claim", "compile"}
+    assert loop not in threads.values(), threads
 
 
 # -- concurrency -----------------------------------------------------------------------------
