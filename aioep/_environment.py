@@ -752,8 +752,14 @@ class Environment(AsyncResource):
             if done is not None:
                 return CopyFuture.completed(done, Notification(_Completed(None)))
         if stream is None:
+            # Strided sources are packed where the copy runs, off the loop.
             plan = plan_copies(
-                src, dst, self._transfers, allow_reshape=allow_reshape, routes=self._routes
+                src,
+                dst,
+                self._transfers,
+                allow_reshape=allow_reshape,
+                routes=self._routes,
+                defer_packing=True,
             )
             return self._copy_unstreamed(plan)
         if not isinstance(stream, SyncStream):
@@ -919,6 +925,7 @@ def _run_groups(plan: CopyPlan) -> tuple[DataTransfer, BaseException] | None:
     The exception is handed on as the backend raised it: the future translates it,
     once, into the :class:`DeviceError` it raises (chained to it).
     """
+    plan.pack()
     for transfer, pairs in plan.groups:
         try:
             transfer.copy_tensors(pairs, None)
@@ -934,6 +941,7 @@ def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
     plan.src.clear()
     plan.dst.clear()
     plan.groups.clear()
+    plan.packs.clear()
     signal.set(None if failure is None else failure[1])
 
 

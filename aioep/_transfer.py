@@ -64,6 +64,13 @@ class CopyPlan:
     nbytes: int = 0
     libraries: set[str] = field(default_factory=set)
     """Names of the libraries whose transfers run the groups."""
+    packs: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] = field(default_factory=list)
+    """(contiguous staging, strided source) pairs to fill before the groups run."""
+
+    def pack(self) -> None:
+        """Fill the staging copies of strided sources (where the groups run)."""
+        for staging, source in self.packs:
+            np.copyto(staging, source)
 
     @property
     def inline(self) -> bool:
@@ -74,6 +81,10 @@ class CopyPlan:
             for transfer, pairs in self.groups
         )
 
+
+PACK_INLINE_BYTES = 64 << 10
+"""Strided sources up to this size are packed on the calling thread even when packing
+could be deferred: a thread hop costs more than the copy."""
 
 Route = tuple[str, DataTransfer]
 RouteKey = tuple[MemoryDevice, MemoryDevice]
@@ -164,6 +175,7 @@ def plan_copies(
     stream_library: str | None = None,
     allow_reshape: bool = False,
     routes: RouteCache | None = None,
+    defer_packing: bool = False,
 ) -> CopyPlan:
     """Validate a batch and route each pair to a transfer; raise before anything is enqueued.
 
@@ -171,7 +183,10 @@ def plan_copies(
     registration order; with a stream, transfers of the stream's own library
     are tried first and a transfer must be able to use the stream. ``routes``
     caches the routing across calls; it must belong to this stream (or to
-    un-streamed copies) and this environment.
+    un-streamed copies) and this environment. With ``defer_packing``, a large
+    non-contiguous source array gets an empty contiguous staging array, filled by
+    :meth:`CopyPlan.pack` where the copy runs (off the loop), instead of being
+    packed here.
     """
     _check_sequence("src", src)
     _check_sequence("dst", dst)
@@ -180,14 +195,18 @@ def plan_copies(
             f"copy_tensors: {len(src)} source(s) but {len(dst)} destination(s); "
             "the lists must have the same length"
         )
-    srcs = [_tensor_arg(s, "source", i, False) for i, s in enumerate(src)]
+    packs: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] = []
+    srcs = [
+        _source_arg(s, i, packs) if defer_packing else _tensor_arg(s, "source", i, False)
+        for i, s in enumerate(src)
+    ]
     dsts = [_tensor_arg(d, "destination", i, True) for i, d in enumerate(dst)]
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         _check_pair(i, s, d, allow_reshape)
     _check_overlaps(srcs, dsts)
 
     table = {} if routes is None else routes.table(transfers)
-    plan = CopyPlan(srcs, dsts)
+    plan = CopyPlan(srcs, dsts, packs=packs)
     grouped: dict[int, list[CopyPair]] = {}
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         key = (s.buffer.memory_info.device, d.buffer.memory_info.device)
@@ -243,6 +262,22 @@ def _tensor_arg(value: TensorLike, kind: str, index: int, writable: bool) -> Ten
     if type(value) is np.ndarray and value.flags.c_contiguous:
         return Tensor.from_numpy(value)
     return as_tensor(value, role=f"copy_tensors {kind} {index}", writable=writable)
+
+
+def _source_arg(
+    value: TensorLike, index: int, packs: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]]
+) -> Tensor:
+    if (
+        type(value) is np.ndarray
+        and not value.flags.c_contiguous
+        and value.nbytes > PACK_INLINE_BYTES
+        and not value.dtype.hasobject
+    ):
+        staging = np.empty(value.shape, value.dtype)
+        tensor = Tensor.from_numpy(staging)
+        packs.append((staging, value))
+        return tensor
+    return _tensor_arg(value, "source", index, False)
 
 
 def _route(

@@ -128,6 +128,39 @@ async def test_destination_overlapping_a_source() -> None:
         assert d2.tolist() == list(range(4, 12))
 
 
+async def test_strided_sources_are_packed_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aioep._transfer import PACK_INLINE_BYTES, CopyPlan
+
+    packed_on: list[int] = []
+    real_pack = CopyPlan.pack
+
+    def pack(self: CopyPlan) -> None:
+        if self.packs:
+            packed_on.append(threading.get_ident())
+        real_pack(self)
+
+    monkeypatch.setattr(CopyPlan, "pack", pack)
+    async with aioep.Environment(autoload=False):
+        n = 16 * PACK_INLINE_BYTES  # beyond the host inline limit too: the copy runs off-loop
+        big = np.arange(2 * n, dtype=np.uint8).reshape(2, n)
+        small = np.arange(64, dtype=np.int32)
+        d_big, d_col, d_small = _dst(n), _dst(2), _dst(32, np.int32)
+        fut = aioep.copy_tensors(
+            [big[:, ::2], big[:, 1], small[::2]], [d_big.reshape(2, n // 2), d_col, d_small]
+        )
+        await fut
+        np.testing.assert_array_equal(d_big.reshape(2, n // 2), big[:, ::2])
+        np.testing.assert_array_equal(d_col, big[:, 1])
+        np.testing.assert_array_equal(d_small, small[::2])
+        assert packed_on
+        assert threading.get_ident() not in packed_on
+        # A strided source may overlap its destination: it is read before anything is written.
+        buf = np.arange(16, dtype=np.uint8)
+        expected = buf[::2].copy()
+        await aioep.copy_tensors([buf[::2]], [buf[8:]])
+        np.testing.assert_array_equal(buf[8:], expected)
+
+
 async def test_no_transfer_names_both_devices() -> None:
     async with aioep.Environment(autoload=False) as env:
         env.register_library("fake", FakeGpuFactory)
