@@ -170,6 +170,11 @@ class Environment(AsyncResource):
 
         The synchronous form of ``async with``; pair it with :meth:`close`.
         """
+        self._start()
+        self._token = _current.set(self)
+        return self
+
+    def _start(self) -> None:
         if self._state is not _State.UNOPENED:
             raise ClosedError(f"{self!r} was already opened; create a new Environment")
         self._state = _State.OPEN
@@ -180,8 +185,6 @@ class Environment(AsyncResource):
         except BaseException:
             self._teardown()
             raise
-        self._token = _current.set(self)
-        return self
 
     def _load_backends(self) -> None:
         wanted = None if self._backends is None else set(self._backends)
@@ -214,7 +217,16 @@ class Environment(AsyncResource):
             )
 
     async def __aenter__(self) -> Environment:
-        return self.open()
+        if self._state is not _State.UNOPENED:
+            raise ClosedError(f"{self!r} was already opened; create a new Environment")
+        # Importing backends and starting devices (driver init, contexts, ORT library
+        # registration) can take a while: do it off the loop. Shielded, so a cancellation
+        # cannot leave an open environment that no ``async with`` body will close; it is
+        # delivered at the body's first checkpoint, and __aexit__ closes the environment.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._start)
+        self._token = _current.set(self)
+        return self
 
     async def aclose(self) -> None:
         """Wait for copies in flight, then release everything in dependency order; idempotent.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import sys
+import threading
 import types
 import warnings
 import weakref
@@ -78,6 +79,32 @@ async def test_async_with_makes_current_and_restores() -> None:
     assert env.state == "closed"
     with pytest.raises(aioep.EpError):
         aioep.current_environment()
+
+
+async def test_async_with_starts_backends_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Backend start-up (imports, driver init, library registration) can be slow.
+    import aioep._environment as environment_module
+
+    started_on: list[int] = []
+    host_factory = environment_module.HostFactory
+
+    class RecordingHostFactory(host_factory):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object) -> None:
+            started_on.append(threading.get_ident())
+            super().__init__(*args)
+
+    monkeypatch.setattr(environment_module, "HostFactory", RecordingHostFactory)
+    async with aioep.Environment(autoload=False) as env:
+        assert aioep.current_environment() is env  # set on the loop, in this task's context
+        assert env.libraries == ("host",)
+    assert started_on
+    assert threading.get_ident() not in started_on
+    sync_env = aioep.Environment(autoload=False).open()  # the sync form: this thread
+    try:
+        assert sync_env.libraries == ("host",)
+    finally:
+        sync_env.close()
+    assert started_on[-1] == threading.get_ident()
 
 
 async def test_nested_environments() -> None:
