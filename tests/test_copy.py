@@ -297,7 +297,17 @@ def test_host_copies_bit_exact(dtype: Any, sizes: list[int], seed: int) -> None:
         env.close()
 
 
-async def test_large_parallel_copy_bit_exact() -> None:
+async def test_large_parallel_copy_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aioep._host
+
+    copied_on: set[int] = set()
+    real_memmove = aioep._host._memmove
+
+    def memmove(dst: int, src: int, n: int) -> None:
+        copied_on.add(threading.get_ident())
+        real_memmove(dst, src, n)
+
+    monkeypatch.setattr(aioep._host, "_memmove", memmove)
     async with aioep.Environment(autoload=False) as env:
         n = (24 << 20) + 4099  # several threads' worth, not a multiple of the split
         src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
@@ -305,11 +315,12 @@ async def test_large_parallel_copy_bit_exact() -> None:
         dst = env.empty(n, "uint8")
         dst_small = _dst(1000)
         fut = aioep.copy_tensors([src, small], [dst, dst_small])
-        assert not fut.done()  # large copies run off the event loop
         await fut
         assert np.array_equal(dst.numpy(), src)
         np.testing.assert_array_equal(dst_small, small)
         del dst, fut
+    assert len(copied_on) > 1  # split across copy threads
+    assert threading.get_ident() not in copied_on  # large copies run off the event loop
 
 
 # -- CopyFuture API ------------------------------------------------------------------------

@@ -148,10 +148,12 @@ class _Flag:
     def __init__(self) -> None:
         self.done = False
         self.fired = threading.Event()
+        self.checked = threading.Event()
 
     def check(self) -> bool:
         if self.done:
             self.fired.set()
+        self.checked.set()
         return self.done
 
 
@@ -180,6 +182,8 @@ def test_dispatcher_pops_in_stream_order_and_skips_nothing() -> None:
             f.done = True
         dispatcher.semaphore.post()
         assert all(f.fired.wait(5) for f in flags[:3])
+        # flags[3] is checked only after flags[2] was popped: then the count is settled.
+        assert flags[3].checked.wait(5)
         assert not flags[3].fired.is_set()
         assert dispatcher.pending() == 2
         for f in flags[3:]:
@@ -216,21 +220,22 @@ def test_dispatcher_bounds_a_lost_post() -> None:
 
 def test_dispatcher_thousand_waiters_one_thread() -> None:
     dispatcher = Dispatcher(idle_bound=30.0)
+    # Compare thread sets, not counts: idle worker threads of earlier tests may exit meanwhile.
+    before = set(threading.enumerate())
     try:
-        before = threading.active_count()
         flags = [_Flag() for _ in range(1000)]
         for i, f in enumerate(flags):
             dispatcher.watch_ordered(i % 8, f.check)
-        assert threading.active_count() == before + 1
+        assert set(threading.enumerate()) - before == {dispatcher.thread}
         for f in flags:
             f.done = True
         for _ in range(8):
             _post_from_native_thread(dispatcher.semaphore, hold_gil=False)
         assert all(f.fired.wait(5) for f in flags)
-        assert threading.active_count() == before + 1
-        assert dispatcher.pending() == 0
+        assert set(threading.enumerate()) - before == {dispatcher.thread}
     finally:
-        dispatcher.close()
+        dispatcher.close()  # joins the thread: every pop has happened
+    assert dispatcher.pending() == 0
     assert dispatcher.thread is not None
     assert not dispatcher.thread.is_alive()
 
@@ -502,21 +507,20 @@ async def test_thousand_awaiters_on_eight_streams_constant_threads(
     # Warm up: start the dispatcher and the core's helpers before counting threads.
     for s, b in zip(streams, bufs):
         await env.copy_tensors([data], [b], stream=s)
-    before = threading.active_count()
-    peak = before
+    # Compare thread sets, not counts: idle worker threads of earlier tests may exit meanwhile.
+    before = set(threading.enumerate())
+    new_threads: set[threading.Thread] = set()
 
     async def waiter(i: int) -> None:
-        nonlocal peak
         s = streams[i % 8]
         env.copy_tensors([data], [bufs[i % 8]], stream=s)
         await s
-        peak = max(peak, threading.active_count())
+        new_threads.update(set(threading.enumerate()) - before)
 
     async with anyio.create_task_group() as tg:
         for i in range(1000):
             tg.start_soon(waiter, i)
-    assert peak == before
-    assert threading.active_count() == before
+    assert new_threads == set()
     for s in streams:
         await s.aclose()
 

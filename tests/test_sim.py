@@ -266,13 +266,13 @@ async def test_host_stream_cannot_carry_sim_copies(make_env: MakeEnv) -> None:
 async def test_latency_is_paid_per_copy_off_the_loop(make_env: MakeEnv) -> None:
     import time
 
-    env = await make_env(latency_us=20_000)
+    env = await make_env(latency_us=100_000)
     x = env.empty(4, "float32", sim_devices(env)[0].memory_info(MemoryType.DEFAULT))
     t0 = time.perf_counter()
     fut = aioep.copy_tensors([np.zeros(4, np.float32)], [x])
-    assert not fut.done()  # enqueued: the 20 ms latency is not paid on the loop
+    assert not fut.done()  # enqueued: the 100 ms latency is not paid on the loop
     await fut
-    assert time.perf_counter() - t0 >= 0.02  # but it is paid
+    assert time.perf_counter() - t0 >= 0.1  # but it is paid
 
 
 # -- fault injection ---------------------------------------------------------------------------
