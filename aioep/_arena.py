@@ -1003,7 +1003,8 @@ class ArenaAllocator(Allocator):
         for region, mark in pending if wait else ():
             mark.wait()
             with self._lock:
-                self._polled.remove((region, mark))
+                if (region, mark) in self._polled:  # another thread may have taken it
+                    self._polled.remove((region, mark))
             self._give_back_later(region)
 
     def _give_back_later(self, region: _Region) -> None:
