@@ -42,7 +42,7 @@ from ._future import CopyFuture
 from ._host import HOST_EP_NAME, HostFactory, host_hardware_device, lower_thread_priority
 from ._notification import Notification
 from ._stream import SyncStream
-from ._stream_impl import HostNotification, NotificationImpl, StreamImpl
+from ._stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
 from ._tensor import Tensor, _normalize_shape
 from ._transfer import CopyPlan, DataTransfer, RouteCache, TensorLike, plan_copies
 from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
@@ -779,6 +779,9 @@ class Environment(AsyncResource):
         stream._check_open()
         stream_lib = self._stream_library(stream)
         impl = stream.impl
+        # A worker-thread stream packs strided sources itself, in order before the copies.
+        # Other streams (CUDA) may read the sources as soon as a copy is enqueued.
+        in_order_worker = isinstance(impl, ThreadStream)
         plan = plan_copies(
             src,
             dst,
@@ -787,9 +790,13 @@ class Environment(AsyncResource):
             stream_library=stream_lib.name,
             allow_reshape=allow_reshape,
             routes=stream._routes,
+            defer_packing=in_order_worker,
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        if plan.packs:
+            assert isinstance(impl, ThreadStream)  # only such streams defer packing
+            impl.enqueue(plan.pack)
         for transfer, pairs in plan.groups:
             try:
                 transfer.copy_tensors(pairs, impl)

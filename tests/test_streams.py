@@ -453,6 +453,43 @@ async def test_aclose_waits_for_work_enqueued_meanwhile_before_releasing(make_en
     np.testing.assert_array_equal(out, src + 1)
 
 
+async def test_strided_sources_are_packed_on_the_stream_in_order(
+    make_env: MakeEnv, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aioep._transfer import PACK_INLINE_BYTES, CopyPlan
+
+    packed_on: list[int] = []
+    real_pack = CopyPlan.pack
+
+    def pack(self: CopyPlan) -> None:
+        packed_on.append(threading.get_ident())
+        real_pack(self)
+
+    monkeypatch.setattr(CopyPlan, "pack", pack)
+    env = await make_env()
+    dev = stream_device(env, kind)
+    n = 2 * PACK_INLINE_BYTES
+    a = np.arange(2 * n, dtype=np.uint8)
+    x = device_empty(env, dev, (n,), "uint8")
+    out = np.zeros(n, np.uint8)
+    async with env.create_sync_stream(dev) as s:
+        g, impl = gate()
+        s.wait(g)  # the stream is held: the pack must wait its turn, like the copy
+        aioep.copy_tensors([a[::2]], [x], stream=s)
+        expected = a[::2].copy()
+        # Changing a source before its copy completes is a user error; here it shows that
+        # the source was read at the stream's turn, not when the copy was enqueued.
+        a[::2] = 7
+        expected[:] = 7
+        fut = aioep.copy_tensors([x], [out], stream=s)
+        assert packed_on == []
+        impl.set()
+        await fut
+    np.testing.assert_array_equal(out, expected)
+    assert len(packed_on) == 1
+    assert threading.get_ident() not in packed_on
+
+
 async def test_thousand_awaiters_do_not_make_a_thousand_threads(make_env: MakeEnv) -> None:
     env = await make_env()
     async with env.create_sync_stream(sim_device(env)) as s:
