@@ -174,9 +174,12 @@ class Environment(AsyncResource):
         self._token = _current.set(self)
         return self
 
-    def _start(self) -> None:
+    def _check_unopened(self) -> None:
         if self._state is not _State.UNOPENED:
             raise ClosedError(f"{self!r} was already opened; create a new Environment")
+
+    def _start(self) -> None:
+        self._check_unopened()
         self._state = _State.OPEN
         try:
             self.register_library(HOST_EP_NAME, HostFactory(self._backend_options.get("host")))
@@ -217,8 +220,7 @@ class Environment(AsyncResource):
             )
 
     async def __aenter__(self) -> Environment:
-        if self._state is not _State.UNOPENED:
-            raise ClosedError(f"{self!r} was already opened; create a new Environment")
+        self._check_unopened()
         # Importing backends and starting devices (driver init, contexts, ORT library
         # registration) can take a while: do it off the loop. Shielded, so a cancellation
         # cannot leave an open environment that no ``async with`` body will close; it is
