@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument, NoSuchFile, NotImplementedByEp
+from ._ort_compat import ir_version_for_ort
 
 __all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
 
@@ -439,7 +440,15 @@ class GraphView:
     ) -> Any:
         """A standalone ``onnx.ModelProto`` that computes a node group (for delegating it to
         onnxruntime). Defaults to the group's :meth:`boundary`; initializers the group
-        reads become initializers of the sub-model (external data loaded)."""
+        reads become initializers of the sub-model (external data loaded).
+
+        The sub-model keeps the source model's opsets and IR version, the latter capped to
+        the newest the installed onnxruntime loads.
+
+        Raises:
+            InvalidArgument: the model needs an opset or IR version newer than the
+                installed onnxruntime supports.
+        """
         onnx = _onnx()
         helper = onnx.helper
         group = sorted(set(indices))
@@ -466,7 +475,7 @@ class GraphView:
                 initializer=inits,
             ),
             opset_imports=list(self._model.opset_import),
-            ir_version=self._model.ir_version,
+            ir_version=ir_version_for_ort(self._model),
         )
         model.functions.extend(self._model.functions)
         return model

@@ -34,6 +34,7 @@ from ._errors import ClosedError, DeviceError, EpError, InvalidArgument, NotImpl
 from ._graph import GraphView
 from ._host import HOST_EP_NAME
 from ._notification import Notification
+from ._ort_compat import ir_version_for_ort
 from ._partition import CPU_EP_NAME, Partition, assignment_of, partition_graph
 from ._stream import SyncStream
 from ._tensor import HOST_MEMORY_INFO, Tensor
@@ -709,6 +710,8 @@ def _make_ort_sessions(
     for key in ("intra_op_num_threads", "inter_op_num_threads"):
         if opts.get(key) is not None:
             setattr(so, key, int(opts[key]))
+    if whole and ir_version_for_ort(graph.model) != graph.model.ir_version:
+        whole = False  # hand onnxruntime a copy stamped with an IR version it loads
     for step in steps:
         meta = step.partition.meta_def
         if whole:

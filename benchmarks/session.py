@@ -66,7 +66,8 @@ def mlp(batch: int = 8, width: int = 64, depth: int = 3) -> Any:
         [h.make_tensor_value_info("y", TP.FLOAT, [batch, 10])],
         inits,
     )
-    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    # IR 10: what every supported onnxruntime loads (onnx's default may be newer).
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
 
 
 async def per_call(fn: Any, n: int) -> list[float]:

@@ -106,6 +106,34 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         GraphView()
 
 
+def test_extract_model_caps_the_ir_version_to_the_installed_onnxruntime() -> None:
+    from aioep._ort_compat import ort_limits
+
+    limits = ort_limits()
+    assert limits is not None
+    assert limits.version == ort.__version__
+    future = diamond()
+    future.ir_version = 99  # newer than any onnxruntime loads
+    sub = GraphView.from_model(future).extract_model([1, 2])
+    assert sub.ir_version == limits.max_ir_version
+    ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    old = diamond()
+    old.ir_version = 8  # older than the runtime's newest: kept as it is
+    assert GraphView.from_model(old).extract_model([1, 2]).ir_version == 8
+    assert [(o.domain, o.version) for o in sub.opset_import] == [("", 17)]
+
+
+def test_extract_model_refuses_an_opset_onnxruntime_does_not_know() -> None:
+    from aioep._ort_compat import ort_limits
+
+    limits = ort_limits()
+    assert limits is not None
+    model = _model([h.make_node("Relu", ["x"], ["y"])], [_vi("x", [2])], [_vi("y", [2])])
+    model.opset_import[0].version = limits.max_opset + 1
+    with pytest.raises(InvalidArgument, match=rf"opset {limits.max_opset + 1}.*onnxruntime"):
+        GraphView.from_model(model).extract_model([0])
+
+
 def test_boundary_convex_groups_and_extract_model() -> None:
     g = GraphView.from_model(diamond())
     assert g.boundary([0]) == (("x", "w"), ("a",))

@@ -579,7 +579,7 @@ def test_arena_options_out_of_range_are_invalid_argument(webgpu_path: str) -> No
 async def test_session_runs_on_the_real_webgpu_ep(webgpu_path: str) -> None:
     """The session API drives a real plugin EP: ORT runs the claimed nodes with WebGPU
     selected (add_provider_for_devices), and the results match ORT's CPU EP."""
-    import onnxruntime as ort
+    from _baseline import ort_baseline
     from onnx import TensorProto, helper
 
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
@@ -589,9 +589,7 @@ async def test_session_runs_on_the_real_webgpu_ep(webgpu_path: str) -> None:
     graph = helper.make_graph(nodes, "g", [x_info], [y_info], [w])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     x = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
-    expected = ort.InferenceSession(
-        model.SerializeToString(), providers=["CPUExecutionProvider"]
-    ).run(None, {"x": x})[0]
+    expected = ort_baseline(model).run(None, {"x": x})[0]
 
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)

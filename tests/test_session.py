@@ -15,6 +15,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from _baseline import ort_baseline  # noqa: E402
 from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
@@ -194,7 +195,7 @@ def mlp(dtype: Any = np.float32, hidden: int = 16) -> Any:
 
 
 def reference(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+    sess = ort_baseline(model)
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
@@ -334,6 +335,28 @@ async def test_matches_onnxruntime(dtype: Any) -> None:
             await sess.aclose()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+async def test_models_newer_than_onnxruntime_are_stamped_or_refused(split: bool) -> None:
+    # onnx stamps new models with its newest IR version, which an older onnxruntime refuses
+    # (onnx 1.23 writes IR 14; onnxruntime 1.23 loads up to 11): aioep caps it.
+    from aioep._ort_compat import ort_limits
+
+    limits = ort_limits()
+    assert limits is not None
+    async with environment(ep=claim_ops("Add", "Mul") if split else claim_ops()) as (env, devs):
+        model = chain()
+        model.ir_version = 99
+        devices = [devs["ep"]]
+        async with await env.create_session(model, devices) as sess:
+            assert ("ep" in sess.assignment) is split
+            x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+            assert_matches(await sess.run({"x": x}), reference(model, {"x": x}))
+        too_new = chain()
+        too_new.opset_import[0].version = limits.max_opset + 1
+        with pytest.raises(InvalidArgument, match=f"opset {limits.max_opset + 1}"):
+            await env.create_session(too_new, devices)
+
+
 async def test_model_from_path_and_host_device(tmp_path: Any) -> None:
     path = tmp_path / "mlp.onnx"
     onnx.save(mlp(), path)
@@ -389,7 +412,7 @@ async def test_100_concurrent_runs() -> None:
         async with anyio.create_task_group() as tg:
             for i in range(100):
                 tg.start_soon(one, i)
-        ref = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+        ref = ort_baseline(model)
         for x, out in zip(xs, results):
             y, c = ref.run(None, {"x": x})
             np.testing.assert_allclose(out["y"].numpy(), y, rtol=1e-6)
@@ -484,7 +507,7 @@ async def test_sim_device_inputs_user_stream_and_concurrency() -> None:
     async with sim_environment(latency_us=10) as (env, sims):
         model = chain()
         sess = await env.create_session(model, [sims[0]])
-        ref = ort.InferenceSession(model.SerializeToString(), providers=[CPU])
+        ref = ort_baseline(model)
         rng = np.random.default_rng(13)
         xs = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(100)]
         results: list[Any] = [None] * 100
