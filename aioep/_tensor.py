@@ -265,6 +265,12 @@ class Tensor:
             )
         if self.buffer.freed:
             raise InvalidArgument(f"tensor buffer {self.buffer!r} was freed")
+        if self.size == 0:
+            # No data to share; numpy < 2.3 refuses an array interface whose data
+            # pointer is NULL, which a zero-size buffer may have.
+            empty = np.empty(self.shape, self.dtype)
+            empty.flags.writeable = not self.buffer.readonly
+            return empty
         return np.asarray(_ArrayInterface(self, self.buffer.readonly))
 
     def __array__(
