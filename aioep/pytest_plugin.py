@@ -10,9 +10,10 @@ that did not ask for it. Enable it in one of these ways::
     pytest -p aioep.pytest_plugin                # or load the module explicitly
     pytest_plugins = ["aioep.pytest_plugin"]     # (in your root conftest.py)
 
-The entry point is a small switch object (:data:`entry_point`) that only adds
-the ``--aioep`` option and the ini keys; when the plugin is enabled it registers
-this module, which holds the fixtures and hooks. Loading the module explicitly
+The entry point is a small switch object (:data:`entry_point`, kept in a module of
+its own so that this one is imported only on request) that only adds the
+``--aioep`` option and the ini keys; when the plugin is enabled it registers this
+module, which holds the fixtures and hooks. Loading the module explicitly
 registers it directly; both ways can be combined without conflict.
 
 Once enabled you get:
@@ -32,7 +33,6 @@ Once enabled you get:
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -41,70 +41,11 @@ import pytest
 
 from ._device import EpDevice
 from ._environment import Environment
+from ._pytest_entry import add_markers, add_options, entry_point, ini
 
 __all__ = ["entry_point", "gpu_available"]
 
-_MODULE = __name__
 SIM_EP_NAME = "SimExecutionProvider"
-_MARKERS = (
-    "aioep_backends(*names, options=None): backends (and their options) for the aioep_env fixture",
-    "aioep_gpu: needs an NVIDIA GPU that cuInit finds; skipped without one",
-)
-
-
-def _add_options(parser: pytest.Parser) -> None:
-    # Both the entry-point switch and this module call this; add the options once.
-    if getattr(parser, "_aioep_options_added", False):
-        return
-    parser._aioep_options_added = True  # type: ignore[attr-defined]
-    group = parser.getgroup("aioep", "aioep fixtures and markers")
-    group.addoption(
-        "--aioep",
-        action="store_true",
-        default=False,
-        help="enable the aioep pytest plugin (fixtures aioep_env, sim_device; marker aioep_gpu)",
-    )
-    parser.addini("aioep", "enable the aioep pytest plugin", type="bool", default=False)
-    parser.addini(
-        "aioep_backends",
-        "backends for the aioep_env fixture when a test has no aioep_backends marker "
-        "(default: every installed backend)",
-        type="linelist",
-        default=[],
-    )
-
-
-def _add_markers(config: pytest.Config) -> None:
-    if getattr(config, "_aioep_markers_added", False):
-        return
-    config._aioep_markers_added = True  # type: ignore[attr-defined]
-    for line in _MARKERS:
-        config.addinivalue_line("markers", line)
-
-
-def _ini(config: pytest.Config, name: str, default: Any) -> Any:
-    try:
-        return config.getini(name)
-    except ValueError:  # the entry point is disabled and nobody added the ini key
-        return default
-
-
-class _EntryPoint:
-    """The ``pytest11`` entry point: adds the options and enables the plugin on request."""
-
-    def pytest_addoption(self, parser: pytest.Parser) -> None:
-        _add_options(parser)
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_configure(self, config: pytest.Config) -> None:
-        _add_markers(config)
-        enabled = bool(config.getoption("aioep", False)) or bool(_ini(config, "aioep", False))
-        if enabled and not config.pluginmanager.has_plugin(_MODULE):
-            config.pluginmanager.register(sys.modules[_MODULE], _MODULE)
-
-
-entry_point = _EntryPoint()
-"""What the ``pytest11`` entry point ``aioep`` names; inert until the plugin is enabled."""
 
 
 # -- the plugin proper (active once this module is registered) ------------------------------
@@ -112,12 +53,12 @@ entry_point = _EntryPoint()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Add ``--aioep`` and the ini keys (once, whoever registers first)."""
-    _add_options(parser)
+    add_options(parser)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the ``aioep_backends`` and ``aioep_gpu`` markers."""
-    _add_markers(config)
+    add_markers(config)
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,7 +99,7 @@ def _env_arguments(request: pytest.FixtureRequest) -> tuple[list[str] | None, di
                 f"backend name -> options, got {options!r}"
             )
         return names, {str(k): dict(v) for k, v in options.items()}
-    configured = [str(n) for n in _ini(request.config, "aioep_backends", [])]
+    configured = [str(n) for n in ini(request.config, "aioep_backends", [])]
     return (configured or None), {}
 
 

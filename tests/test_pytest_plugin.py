@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 
@@ -43,7 +45,19 @@ async def test_env(aioep_env):
 
 def test_entry_point_is_registered() -> None:
     eps = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "aioep"]
-    assert [e.value for e in eps] == ["aioep.pytest_plugin:entry_point"]
+    assert [e.value for e in eps] == ["aioep._pytest_entry:entry_point"]
+
+
+def test_the_entry_point_leaves_the_plugin_module_unimported() -> None:
+    # So that `pytest_plugins = ["aioep.pytest_plugin"]` imports it fresh, and pytest can
+    # rewrite its asserts (pytest < 9.2 warned otherwise; see test_enabled[conftest]).
+    code = (
+        "import sys, importlib.metadata as m; "
+        "(ep,) = [e for e in m.entry_points(group='pytest11') if e.name == 'aioep']; "
+        "ep.load(); print('aioep.pytest_plugin' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_off_by_default(pytester: pytest.Pytester) -> None:
@@ -82,7 +96,9 @@ def test_enabled(pytester: pytest.Pytester, how: str, args: list[str]) -> None:
         conftest += '\npytest_plugins = ["aioep.pytest_plugin"]\n'
     pytester.makeconftest(conftest)
     pytester.makepyfile(ENV_TEST)
-    result = pytester.runpytest("--strict-markers", "-W", "error", *args)
+    # In a subprocess, as a user's run: in-process, this suite has already imported
+    # aioep.pytest_plugin, and pytest < 9.2 warns that it cannot rewrite it again.
+    result = pytester.runpytest_subprocess("--strict-markers", "-W", "error", *args)
     result.assert_outcomes(passed=2)
 
 

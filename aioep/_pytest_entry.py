@@ -1,0 +1,80 @@
+"""The ``pytest11`` entry point of aioep: a switch that stays inert until the plugin is enabled.
+
+It lives apart from :mod:`aioep.pytest_plugin` so that installing aioep never imports the
+fixtures module into a test run that did not ask for it. ``pytest_plugins =
+["aioep.pytest_plugin"]`` in a conftest then imports it fresh; pytest before 9.2 warned
+"Module already imported so cannot be rewritten" (an error under ``-W error``) when the
+entry point had imported it first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+
+__all__ = ["add_markers", "add_options", "entry_point", "ini"]
+
+PLUGIN_MODULE = "aioep.pytest_plugin"
+_MARKERS = (
+    "aioep_backends(*names, options=None): backends (and their options) for the aioep_env fixture",
+    "aioep_gpu: needs an NVIDIA GPU that cuInit finds; skipped without one",
+)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Add ``--aioep`` and the ini keys, once (the switch and the plugin module both ask)."""
+    if getattr(parser, "_aioep_options_added", False):
+        return
+    parser._aioep_options_added = True  # type: ignore[attr-defined]
+    group = parser.getgroup("aioep", "aioep fixtures and markers")
+    group.addoption(
+        "--aioep",
+        action="store_true",
+        default=False,
+        help="enable the aioep pytest plugin (fixtures aioep_env, sim_device; marker aioep_gpu)",
+    )
+    parser.addini("aioep", "enable the aioep pytest plugin", type="bool", default=False)
+    parser.addini(
+        "aioep_backends",
+        "backends for the aioep_env fixture when a test has no aioep_backends marker "
+        "(default: every installed backend)",
+        type="linelist",
+        default=[],
+    )
+
+
+def add_markers(config: pytest.Config) -> None:
+    """Register the ``aioep_backends`` and ``aioep_gpu`` markers, once."""
+    if getattr(config, "_aioep_markers_added", False):
+        return
+    config._aioep_markers_added = True  # type: ignore[attr-defined]
+    for line in _MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+def ini(config: pytest.Config, name: str, default: Any) -> Any:
+    """The ini value ``name``, or ``default`` where nobody added the key."""
+    try:
+        return config.getini(name)
+    except ValueError:  # the entry point is disabled and nobody added the ini key
+        return default
+
+
+class _EntryPoint:
+    """The ``pytest11`` entry point: adds the options and enables the plugin on request."""
+
+    def pytest_addoption(self, parser: pytest.Parser) -> None:
+        add_options(parser)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(self, config: pytest.Config) -> None:
+        add_markers(config)
+        enabled = bool(config.getoption("aioep", False)) or bool(ini(config, "aioep", False))
+        if enabled and not config.pluginmanager.has_plugin(PLUGIN_MODULE):
+            config.pluginmanager.register(importlib.import_module(PLUGIN_MODULE), PLUGIN_MODULE)
+
+
+entry_point = _EntryPoint()
+"""What the ``pytest11`` entry point ``aioep`` names; inert until the plugin is enabled."""
