@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,5 +27,51 @@ def test_readme_has_demo_and_test_commands() -> None:
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
     tests = _readme_commands()[1]
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert tests in ci
+
+
+def _lower_bounds() -> dict[str, str]:
+    """``name -> X`` for every ``name>=X`` the pyproject files declare: the core, test and
+    backend dependencies and the user extras (not the docs site's tools, which CI builds
+    with the newest versions only, nor the dev tools, which are pinned exactly)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11; the 3.13 CI run checks this
+    bounds: dict[str, str] = {}
+    for path in [ROOT / "pyproject.toml", *sorted((ROOT / "backends").glob("*/pyproject.toml"))]:
+        project = tomllib.loads(path.read_text())["project"]
+        reqs = list(project["dependencies"])
+        for extra, deps in project.get("optional-dependencies", {}).items():
+            if extra not in ("dev", "docs"):
+                reqs += deps
+        for req in reqs:
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?>=([0-9][^,;\s]*)", req.strip())
+            if m and not m.group(1).startswith("aioep"):
+                name = m.group(1).lower().replace("_", "-")
+                assert bounds.setdefault(name, m.group(2)) == m.group(2), (
+                    f"{name} has two lower bounds: {bounds[name]} and {m.group(2)} ({path})"
+                )
+    return bounds
+
+
+def test_lowest_constraints_pin_every_declared_lower_bound() -> None:
+    bounds = _lower_bounds()
+    pins = {}
+    for line in (ROOT / ".ci" / "lowest-constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    for name, bound in bounds.items():
+        assert name in pins, f".ci/lowest-constraints.txt does not pin {name} (>= {bound})"
+        assert Version(pins[name]) == Version(bound), (
+            f"{name}: pyproject says >= {bound}, .ci/lowest-constraints.txt pins {pins[name]}"
+        )
+    assert set(pins) == set(bounds), f"pinned but never declared: {set(pins) - set(bounds)}"
+
+
+def test_ci_runs_the_oldest_and_newest_python_and_the_lowest_versions() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "find_python 3.10" in ci
+    assert "find_python 3.13" in ci
+    assert "-c .ci/lowest-constraints.txt" in ci
+    assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
