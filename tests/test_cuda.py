@@ -1,6 +1,8 @@
 """The CUDA backend: option validation, the no-driver path, the GIL-free wake machinery and
-DLPack/CUDA-array-interface export run everywhere; tests marked ``gpu`` need an NVIDIA GPU
-and skip (with the reason) where ``cuInit`` fails or no device exists."""
+DLPack/CUDA-array-interface export run everywhere. Tests marked ``gpu`` run against the real
+NVIDIA driver where ``cuInit`` finds a GPU, and otherwise against the emulated driver in
+``tests/cuda_emulator`` (a test double built with the system C compiler), with the same
+assertions; they skip (with the reason) only where neither exists."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import ctypes
 import gc
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from cuda_emulator import Driver, select_driver
 
 import aioep
 from aioep import DeviceType, MemoryType
@@ -25,20 +28,43 @@ from aioep_cuda._wake import Dispatcher, Semaphore  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
-
-def _no_gpu_reason() -> str | None:
-    from aioep_cuda._driver import check, load_driver
-
-    try:
-        drv = load_driver()
-        count = int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
-    except Exception as exc:
-        return f"no usable CUDA driver: {exc}"
-    return None if count else "no CUDA device"
-
-
-NO_GPU = _no_gpu_reason()
+DRIVER = select_driver()
+"""The driver the gpu tests use: the real one with a GPU, else the emulator (test double)."""
+EMULATED = DRIVER.kind == "emulator"
+NO_GPU = None if DRIVER.available else DRIVER.reason
 needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+REAL_GPU = DRIVER.kind == "real"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def emulated_devices(count: int) -> Callable[[_F], _F]:
+    """How many devices the emulator offers to this test (default 1)."""
+
+    def mark(fn: _F) -> _F:
+        fn.emulated_devices = count  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+@pytest.fixture(autouse=True)
+def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
+    """For a gpu test on the emulator: offer its devices for the test, watch the test's thread
+    (the event loop) for blocking driver calls, and fail the test if the emulator saw work
+    touch freed memory or run out of order."""
+    emulator = DRIVER.emulator
+    if emulator is None or request.node.get_closest_marker("gpu") is None:
+        yield DRIVER
+        return
+    emulator.take_violation()
+    with emulator.devices(getattr(request.function, "emulated_devices", 1)):
+        emulator.set("watch_tid", threading.get_native_id())
+        yield DRIVER
+        gc.collect()
+    violation = emulator.take_violation()
+    if violation:
+        pytest.fail(f"the CUDA emulator saw a violation: {violation}")
 
 
 # -- options (no GPU needed) ----------------------------------------------------------------
@@ -77,7 +103,7 @@ async def test_bad_option_through_environment_is_recorded() -> None:
 
 
 # -- no driver / no device -------------------------------------------------------------------
-@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present: the no-driver path is not taken")
+@pytest.mark.skipif(REAL_GPU, reason="a GPU is present: the no-driver path is not taken")
 def test_factory_without_driver_offers_nothing() -> None:
     factory = CudaFactory()
     assert factory.get_supported_devices([]) == []
@@ -88,7 +114,7 @@ def test_factory_without_driver_offers_nothing() -> None:
     factory.close()
 
 
-@pytest.mark.skipif(NO_GPU is None, reason="a GPU is present: the no-driver path is not taken")
+@pytest.mark.skipif(REAL_GPU, reason="a GPU is present: the no-driver path is not taken")
 async def test_environment_records_why_without_warning() -> None:
     import warnings
 
@@ -307,7 +333,7 @@ def test_dlpack_dtype_rejects_unsupported() -> None:
 
 # -- on a GPU --------------------------------------------------------------------------------
 @pytest.fixture
-async def env() -> AsyncIterator[aioep.Environment]:
+async def env(cuda_driver: Driver) -> AsyncIterator[aioep.Environment]:
     async with aioep.Environment(backends=["cuda"]) as e:
         yield e
 
@@ -424,6 +450,7 @@ async def test_batched_mixed_copy_on_one_stream(
 
 @pytest.mark.gpu
 @needs_gpu
+@emulated_devices(2)
 async def test_peer_copy_when_two_gpus(env: aioep.Environment) -> None:
     devices = env.ep_devices(ep_name="CUDAExecutionProvider")
     if len(devices) < 2:
@@ -528,6 +555,10 @@ async def test_thousand_awaiters_on_eight_streams_constant_threads(
 @pytest.mark.gpu
 @needs_gpu
 async def test_interop_cupy_or_torch(env: aioep.Environment, gpu: aioep.EpDevice) -> None:
+    if EMULATED:
+        pytest.skip(
+            "CuPy and PyTorch need the real driver (their runtime does not run on the emulator)"
+        )
     data = np.arange(4096, dtype=np.float32)
     async with env.create_sync_stream(gpu) as stream:
         t = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)

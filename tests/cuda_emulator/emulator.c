@@ -1,0 +1,2349 @@
+/*
+ * An emulated CUDA driver: a TEST DOUBLE for libcuda.so.1, used by aioep's own tests.
+ *
+ * It is not a GPU and not a product target: the real NVIDIA driver is. It exists so that
+ * the CUDA backend (backends/cuda) runs its GPU tests on every CI machine, with real
+ * asynchrony, and fails them for the reasons a GPU would:
+ *
+ *   - every stream is a native worker thread that runs its queue strictly in order;
+ *   - events record a point in a stream; query / synchronize / elapsed time; a
+ *     cuStreamWaitEvent blocks the waiting stream's thread (never the host);
+ *   - host functions (cuLaunchHostFunc) run on one callback thread per context, as the
+ *     driver's do; that thread never touches Python, so it never takes the GIL;
+ *   - cuStreamWaitValue32 / cuStreamWriteValue32 on device or mapped pinned memory;
+ *   - device memory lives in its own address range (0x3000'0000'0000 + device << 40),
+ *     never reused and never mapped at the host address, so the host cannot read it by
+ *     accident and work that touches freed memory faults (a sticky
+ *     CUDA_ERROR_ILLEGAL_ADDRESS, counted as a violation);
+ *   - pinned memory (cuMemHostAlloc, cuMemHostRegister, with their flags) and pageable
+ *     memory: a pageable host-to-device copy stages the source on the calling thread, a
+ *     pageable device-to-host copy blocks the caller until the stream has done it;
+ *   - cuMemFree / cuMemFreeHost synchronize the device, like the real calls;
+ *   - error codes for bad handles, freed pointers and out-of-memory, a configurable memory
+ *     limit, a bandwidth and latency model, and fault injection.
+ *
+ * cuda-bindings finds every driver function through cuGetProcAddress_v2, so that is what
+ * this library serves; it also exports each function under the driver's own symbol name
+ * (aioep_cuda calls cuLaunchHostFunc through ctypes). Functions it does not implement are
+ * "not found", which cuda-bindings reports as FunctionNotFoundError.
+ *
+ * Test-control functions (cuemu_*) are exported for the Python helper
+ * (tests/cuda_emulator/__init__.py): cuemu_set / cuemu_get for configuration and
+ * statistics, cuemu_fail_call for fault injection, cuemu_last_violation for messages.
+ * Configuration also comes from the environment at load time (CUEMU_DEVICES,
+ * CUEMU_MEMORY_LIMIT, CUEMU_PINNED_LIMIT, CUEMU_BANDWIDTH, CUEMU_LATENCY_US).
+ *
+ * Build: cc -O2 -shared -fPIC -pthread -fvisibility=hidden -Wl,-soname,libcuda.so.1
+ *        -o libcuda.so.1 emulator.c
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUmemoryPool;
+typedef void (*CUhostFn)(void *);
+typedef struct {
+    char bytes[16];
+} CUuuid;
+typedef struct {
+    int type;
+    int id;
+} CUmemLocation;
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
+    CUDA_ERROR_PEER_ACCESS_NOT_ENABLED = 705,
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+#define MAX_DEVICES 8
+#define DEVICE_SPACE 0x300000000000ULL
+#define DEVICE_SPAN (1ULL << 40)
+
+/* -- configuration and statistics ------------------------------------------------------- */
+static struct {
+    long long devices;
+    long long memory_limit;
+    long long pinned_limit;
+    long long bandwidth;  /* bytes per second, 0: unlimited */
+    long long latency_ns; /* per copy */
+    long long stream_mem_ops;
+    long long driver_version;
+    long long watch_tid; /* the thread whose blocking calls are counted (e.g. an event loop) */
+    long long lose_after_copies; /* -1: never */
+    long long unmap_pinned_on_reset;
+} cfg;
+
+static struct {
+    long long copies, bytes_copied, violations, hostfns, pageable_copies, watched_pageable,
+        watched_blocking, watched_blocking_ns, streams_created, streams_live, threads_live,
+        events_created, device_allocs, pinned_allocs, abandoned_ops, sticky_errors, wait_values,
+        write_values, max_queue;
+} st;
+
+static char g_violation[512];
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_progress; /* broadcast whenever any work completes */
+static int g_initialized;
+
+static long long env_ll(const char *name, long long dflt) {
+    const char *v = getenv(name);
+    if (!v || !*v)
+        return dflt;
+    return strtoll(v, NULL, 0);
+}
+
+static void set_defaults(void) {
+    cfg.devices = env_ll("CUEMU_DEVICES", 1);
+    if (cfg.devices < 0)
+        cfg.devices = 0;
+    if (cfg.devices > MAX_DEVICES)
+        cfg.devices = MAX_DEVICES;
+    cfg.memory_limit = env_ll("CUEMU_MEMORY_LIMIT", 512LL << 20);
+    cfg.pinned_limit = env_ll("CUEMU_PINNED_LIMIT", 1LL << 30);
+    cfg.bandwidth = env_ll("CUEMU_BANDWIDTH", 0);
+    cfg.latency_ns = env_ll("CUEMU_LATENCY_US", 0) * 1000;
+    cfg.stream_mem_ops = 1;
+    cfg.driver_version = env_ll("CUEMU_DRIVER_VERSION", 13000);
+    cfg.watch_tid = 0;
+    cfg.lose_after_copies = -1;
+    cfg.unmap_pinned_on_reset = 1;
+}
+
+__attribute__((constructor)) static void emulator_init(void) {
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_progress, &a);
+    set_defaults();
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_ns(uint64_t ns) {
+    struct timespec ts = {(time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL)};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {
+    }
+}
+
+/* Wait on a condition variable for at most `ns` (lock held). */
+static void cond_wait_ns(pthread_cond_t *cv, uint64_t ns) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t t = (uint64_t)ts.tv_nsec + ns;
+    ts.tv_sec += (time_t)(t / 1000000000ULL);
+    ts.tv_nsec = (long)(t % 1000000000ULL);
+    pthread_cond_timedwait(cv, &g_mu, &ts);
+}
+
+static void violation(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_violation, sizeof g_violation, fmt, ap);
+    va_end(ap);
+    st.violations++;
+}
+
+static long my_tid(void) { return (long)syscall(SYS_gettid); }
+
+/* -- fault injection -------------------------------------------------------------------- */
+typedef struct {
+    char name[64];
+    long long countdown; /* calls to let through before failing */
+    long long times;     /* failures left (-1: forever) */
+    CUresult code;
+} fault_t;
+static fault_t g_faults[16];
+static int g_nfaults;
+
+static CUresult inject(const char *name) {
+    if (!g_nfaults)
+        return CUDA_SUCCESS;
+    CUresult out = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_nfaults; i++) {
+        fault_t *f = &g_faults[i];
+        if (f->times == 0 || strcmp(f->name, name) != 0)
+            continue;
+        if (f->countdown > 0) {
+            f->countdown--;
+            continue;
+        }
+        out = f->code;
+        if (f->times > 0)
+            f->times--;
+        break;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return out;
+}
+
+#define ENTER(name)                                                                           \
+    do {                                                                                      \
+        if (!g_initialized)                                                                   \
+            return CUDA_ERROR_NOT_INITIALIZED;                                                \
+        CUresult inj_ = inject(name);                                                         \
+        if (inj_)                                                                             \
+            return inj_;                                                                      \
+    } while (0)
+
+/* -- handles ---------------------------------------------------------------------------- */
+/* A handle is a non-canonical address (bit 62 set): never dereferenceable. Slots are reused
+ * (last freed, first reused) as the real driver reuses its pointers, so code that keys
+ * anything by a handle value after destroying it meets a new object under the same value. */
+enum { K_FREE = 0, K_CTX = 1, K_STREAM = 2, K_EVENT = 3, K_POOL = 4 };
+typedef struct {
+    int kind;
+    void *obj;
+} slot_t;
+static slot_t *g_slots;
+static uint32_t g_nslots, g_cap;
+static uint32_t *g_free;
+static uint32_t g_nfree, g_free_cap;
+
+static uint64_t handle_new(int kind, void *obj) {
+    uint32_t s;
+    if (g_nfree) {
+        s = g_free[--g_nfree];
+    } else {
+        if (g_nslots == g_cap) {
+            g_cap = g_cap ? g_cap * 2 : 256;
+            g_slots = realloc(g_slots, g_cap * sizeof *g_slots);
+        }
+        s = g_nslots++;
+    }
+    g_slots[s].kind = kind;
+    g_slots[s].obj = obj;
+    return (1ULL << 62) | ((uint64_t)kind << 48) | ((uint64_t)(s + 1) << 4);
+}
+
+static void *handle_get(uint64_t h, int kind) {
+    if ((h >> 62) != 1 || ((h >> 48) & 0x3FFF) != (uint64_t)kind || (h & 0xF))
+        return NULL;
+    uint64_t s = ((h >> 4) & 0xFFFFFFFFULL) - 1;
+    if (s >= g_nslots || g_slots[s].kind != kind)
+        return NULL;
+    return g_slots[s].obj;
+}
+
+static void handle_free(uint64_t h) {
+    uint64_t s = ((h >> 4) & 0xFFFFFFFFULL) - 1;
+    if (s >= g_nslots)
+        return;
+    g_slots[s].kind = K_FREE;
+    g_slots[s].obj = NULL;
+    if (g_nfree == g_free_cap) {
+        g_free_cap = g_free_cap ? g_free_cap * 2 : 256;
+        g_free = realloc(g_free, g_free_cap * sizeof *g_free);
+    }
+    g_free[g_nfree++] = (uint32_t)s;
+}
+
+/* -- objects ---------------------------------------------------------------------------- */
+struct ctx;
+struct stream;
+struct event;
+
+enum {
+    OP_COPY,
+    OP_STAGED,
+    OP_MEMSET32,
+    OP_MEMSET8,
+    OP_RECORD,
+    OP_WAIT_EVENT,
+    OP_HOSTFN,
+    OP_WAIT_VALUE,
+    OP_WRITE_VALUE,
+    OP_FREE,
+};
+
+typedef struct op {
+    int kind;
+    uint64_t seq;
+    struct op *next;
+    CUdeviceptr dst, src;
+    size_t n;
+    char *staging;
+    unsigned value, flags;
+    struct event *ev;
+    uint64_t ev_gen;
+    struct stream *wait_stream;
+    uint64_t wait_seq;
+    CUhostFn fn;
+    void *arg;
+    int done;
+    struct op *cb_next;
+} op_t;
+
+typedef struct stream {
+    uint64_t handle;
+    struct ctx *ctx;
+    unsigned gen; /* the context generation it belongs to */
+    unsigned flags;
+    int destroyed, abandon, legacy, running;
+    op_t *head, *tail;
+    uint64_t enqueued, completed;
+    pthread_cond_t cv;
+    struct stream *next; /* in the context's list */
+} stream_t;
+
+typedef struct event {
+    uint64_t handle;
+    struct ctx *ctx;
+    unsigned gen;
+    unsigned flags;
+    int destroyed;
+    stream_t *stream; /* where the last record was enqueued (NULL: never recorded) */
+    uint64_t seq;
+    uint64_t rec_gen; /* record generation: only the latest record stamps the time */
+    uint64_t t_ns;
+    int timed; /* the latest record has executed */
+    struct event *next;
+} event_t;
+
+typedef struct ctx {
+    uint64_t handle;
+    int device;
+    int active;
+    unsigned gen;
+    int refs;
+    CUresult sticky;
+    stream_t *streams;
+    stream_t *null_stream;
+    op_t *cb_head, *cb_tail;
+    pthread_cond_t cb_cv;
+    int cb_thread, cb_stop;
+    unsigned peer_mask;
+} ctx_t;
+
+typedef struct {
+    uint64_t handle;
+    int device;
+    unsigned long long release_threshold;
+    int reuse[4];
+} pool_t;
+
+typedef struct device {
+    ctx_t ctx;
+    pool_t pool;
+    long long used;
+    long long pool_used;
+    uint64_t next_addr;
+} device_t;
+
+static device_t g_dev[MAX_DEVICES];
+static event_t *g_events;
+static long long g_pinned_used;
+
+enum { A_DEVICE = 1, A_PINNED = 2, A_REGISTERED = 3 };
+typedef struct alloc {
+    uint64_t addr;
+    size_t size;
+    char *host;
+    size_t map_size;
+    int kind;
+    unsigned flags;
+    int device;
+    int from_pool;
+    ctx_t *ctx;
+    int busy;
+    int freed;
+    struct alloc *next;
+} alloc_t;
+static alloc_t *g_allocs;
+
+static __thread ctx_t *tls_stack[64];
+static __thread int tls_depth;
+
+static ctx_t *current_ctx(void) { return tls_depth ? tls_stack[tls_depth - 1] : NULL; }
+
+/* The current context, or why there is none usable (lock held). */
+static CUresult need_ctx(ctx_t **out) {
+    ctx_t *c = current_ctx();
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!c->active)
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    if (c->sticky)
+        return c->sticky;
+    *out = c;
+    return CUDA_SUCCESS;
+}
+
+static int in_device_space(uint64_t p) {
+    return p >= DEVICE_SPACE && p < DEVICE_SPACE + MAX_DEVICES * DEVICE_SPAN;
+}
+
+static alloc_t *find_alloc(uint64_t p, size_t n) {
+    for (alloc_t *a = g_allocs; a; a = a->next) {
+        if (a->freed)
+            continue;
+        if (p >= a->addr && p < a->addr + a->size) {
+            if (n && p + n > a->addr + a->size)
+                return NULL;
+            return a;
+        }
+    }
+    return NULL;
+}
+
+static void release_backing(alloc_t *a) {
+    /* unlink and unmap (lock held; a->busy == 0) */
+    alloc_t **pp = &g_allocs;
+    while (*pp && *pp != a)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = a->next;
+    if (a->kind == A_DEVICE || (a->kind == A_PINNED && a->host))
+        munmap(a->host, a->map_size);
+    free(a);
+}
+
+static void free_alloc(alloc_t *a) {
+    if (a->freed)
+        return;
+    a->freed = 1;
+    if (a->kind == A_DEVICE) {
+        g_dev[a->device].used -= (long long)a->size;
+        if (a->from_pool)
+            g_dev[a->device].pool_used -= (long long)a->size;
+    } else if (a->kind == A_PINNED) {
+        g_pinned_used -= (long long)a->size;
+    }
+    if (!a->busy)
+        release_backing(a);
+}
+
+enum { R_BAD = 0, R_DEVICE = 1, R_PINNED = 2, R_PAGEABLE = 3 };
+typedef struct {
+    int kind;
+    char *p;
+    alloc_t *a;
+} res_t;
+
+static res_t resolve(uint64_t ptr, size_t n) {
+    res_t r = {R_BAD, NULL, NULL};
+    if (!ptr)
+        return r;
+    alloc_t *a = find_alloc(ptr, 0);
+    if (in_device_space(ptr)) {
+        if (a && a->kind == A_DEVICE && ptr + n <= a->addr + a->size) {
+            r.kind = R_DEVICE;
+            r.p = a->host + (ptr - a->addr);
+            r.a = a;
+        }
+        return r;
+    }
+    if (a) {
+        if (ptr + n > a->addr + a->size)
+            return r; /* runs off the end of a pinned range */
+        r.kind = R_PINNED;
+        r.p = (char *)(uintptr_t)ptr;
+        r.a = a;
+        return r;
+    }
+    r.kind = R_PAGEABLE;
+    r.p = (char *)(uintptr_t)ptr;
+    return r;
+}
+
+/* -- streams and their worker threads --------------------------------------------------- */
+static void *stream_main(void *arg);
+static void *callback_main(void *arg);
+static void ensure_callback_thread(ctx_t *c);
+
+static stream_t *stream_new(ctx_t *c, unsigned flags, int legacy) {
+    stream_t *s = calloc(1, sizeof *s);
+    s->ctx = c;
+    s->gen = c->gen;
+    s->flags = flags;
+    s->legacy = legacy;
+    pthread_cond_init(&s->cv, NULL);
+    s->handle = legacy ? 0 : handle_new(K_STREAM, s);
+    s->next = c->streams;
+    c->streams = s;
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, 256 * 1024);
+    s->running = 1;
+    st.threads_live++;
+    if (pthread_create(&t, &at, stream_main, s) != 0) {
+        s->running = 0;
+        st.threads_live--;
+    }
+    pthread_attr_destroy(&at);
+    st.streams_created++;
+    st.streams_live++;
+    return s;
+}
+
+/* The stream a handle names: 0 / CU_STREAM_LEGACY (1) / CU_STREAM_PER_THREAD (2) are the
+ * current context's default stream (lock held). */
+static CUresult get_stream(CUstream h, stream_t **out) {
+    uint64_t v = (uint64_t)(uintptr_t)h;
+    if (v <= 2) {
+        ctx_t *c;
+        CUresult e = need_ctx(&c);
+        if (e)
+            return e;
+        if (!c->null_stream)
+            c->null_stream = stream_new(c, 0, 1);
+        *out = c->null_stream;
+        return CUDA_SUCCESS;
+    }
+    stream_t *s = handle_get(v, K_STREAM);
+    if (!s || s->destroyed)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!s->ctx->active || s->gen != s->ctx->gen)
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    if (s->ctx->sticky)
+        return s->ctx->sticky;
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+static op_t *op_new(int kind) {
+    op_t *o = calloc(1, sizeof *o);
+    o->kind = kind;
+    return o;
+}
+
+static void enqueue(stream_t *s, op_t *o) {
+    o->seq = ++s->enqueued;
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    long long depth = (long long)(s->enqueued - s->completed);
+    if (depth > st.max_queue)
+        st.max_queue = depth;
+    pthread_cond_signal(&s->cv);
+}
+
+static int stream_idle(stream_t *s, uint64_t upto) { return s->completed >= upto; }
+
+/* Block the calling thread until `s` has completed work item `upto` (lock held). */
+static void wait_stream(stream_t *s, uint64_t upto) {
+    uint64_t t0 = 0;
+    int watched = cfg.watch_tid && my_tid() == cfg.watch_tid;
+    if (watched && !stream_idle(s, upto))
+        t0 = now_ns();
+    while (!stream_idle(s, upto))
+        pthread_cond_wait(&g_progress, &g_mu);
+    if (t0) {
+        st.watched_blocking++;
+        st.watched_blocking_ns += (long long)(now_ns() - t0);
+    }
+}
+
+/* Every stream of a context reaches the work enqueued so far (lock held); returns 0 if the
+ * wait gave up after `limit_ns` (0: no limit). */
+static int wait_ctx(ctx_t *c, uint64_t limit_ns) {
+    int n = 0;
+    for (stream_t *s = c->streams; s; s = s->next)
+        n++;
+    stream_t **ss = malloc((size_t)(n ? n : 1) * sizeof *ss);
+    uint64_t *upto = malloc((size_t)(n ? n : 1) * sizeof *upto);
+    int i = 0;
+    for (stream_t *s = c->streams; s; s = s->next, i++) {
+        ss[i] = s;
+        upto[i] = s->enqueued;
+    }
+    uint64_t start = now_ns();
+    int watched = cfg.watch_tid && my_tid() == cfg.watch_tid, blocked = 0, ok = 1;
+    for (i = 0; i < n; i++) {
+        while (!stream_idle(ss[i], upto[i])) {
+            blocked = 1;
+            if (limit_ns) {
+                if (now_ns() - start > limit_ns) {
+                    ok = 0;
+                    break;
+                }
+                cond_wait_ns(&g_progress, 10000000ULL);
+            } else {
+                pthread_cond_wait(&g_progress, &g_mu);
+            }
+        }
+        if (!ok)
+            break;
+    }
+    if (watched && blocked) {
+        st.watched_blocking++;
+        st.watched_blocking_ns += (long long)(now_ns() - start);
+    }
+    free(ss);
+    free(upto);
+    return ok;
+}
+
+static void throttle(size_t n) {
+    uint64_t ns = (uint64_t)cfg.latency_ns;
+    if (cfg.bandwidth > 0)
+        ns += (uint64_t)((double)n * 1e9 / (double)cfg.bandwidth);
+    if (ns)
+        sleep_ns(ns);
+}
+
+static void set_sticky(ctx_t *c, CUresult e) {
+    if (!c->sticky) {
+        c->sticky = e;
+        st.sticky_errors++;
+    }
+}
+
+static int value_ok(uint32_t v, uint32_t want, unsigned flags) {
+    switch (flags & 0xF) {
+    case 0: /* GEQ, with wrap-around */
+        return (int32_t)(v - want) >= 0;
+    case 1: /* EQ */
+        return v == want;
+    case 2: /* AND */
+        return (v & want) != 0;
+    case 3: /* NOR */
+        return ~(v | want) != 0;
+    }
+    return 1;
+}
+
+static void run_op(stream_t *s, op_t *o) {
+    /* lock held on entry and exit; may drop it */
+    ctx_t *c = s->ctx;
+    if (s->abandon || c->sticky) {
+        if (s->abandon)
+            st.abandoned_ops++;
+        if (o->staging)
+            free(o->staging);
+        o->staging = NULL;
+        return;
+    }
+    switch (o->kind) {
+    case OP_COPY:
+    case OP_STAGED: {
+        res_t d = resolve(o->dst, o->n);
+        res_t r = o->kind == OP_STAGED ? (res_t){R_PAGEABLE, o->staging, NULL}
+                                       : resolve(o->src, o->n);
+        if (d.kind == R_BAD || r.kind == R_BAD) {
+            violation("stream %#llx: a copy of %zu bytes from %#llx to %#llx touched memory "
+                      "that is not allocated (freed before the stream reached the copy?)",
+                      (unsigned long long)s->handle, o->n, (unsigned long long)o->src,
+                      (unsigned long long)o->dst);
+            set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+            break;
+        }
+        if (cfg.lose_after_copies >= 0 && st.copies >= cfg.lose_after_copies) {
+            set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+            break;
+        }
+        st.copies++;
+        st.bytes_copied += (long long)o->n;
+        if (d.a)
+            d.a->busy++;
+        if (r.a)
+            r.a->busy++;
+        pthread_mutex_unlock(&g_mu);
+        throttle(o->n);
+        memmove(d.p, r.p, o->n);
+        pthread_mutex_lock(&g_mu);
+        if (d.a && --d.a->busy == 0 && d.a->freed)
+            release_backing(d.a);
+        if (r.a && --r.a->busy == 0 && r.a->freed)
+            release_backing(r.a);
+        break;
+    }
+    case OP_MEMSET32:
+    case OP_MEMSET8: {
+        size_t bytes = o->kind == OP_MEMSET32 ? o->n * 4 : o->n;
+        res_t d = resolve(o->dst, bytes);
+        if (d.kind == R_BAD) {
+            violation("stream %#llx: a memset of %zu bytes at %#llx touched memory that is not "
+                      "allocated",
+                      (unsigned long long)s->handle, bytes, (unsigned long long)o->dst);
+            set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+            break;
+        }
+        if (o->kind == OP_MEMSET32) {
+            uint32_t *w = (uint32_t *)(void *)d.p;
+            for (size_t i = 0; i < o->n; i++)
+                __atomic_store_n(&w[i], o->value, __ATOMIC_SEQ_CST);
+        } else {
+            memset(d.p, (int)(o->value & 0xFF), o->n);
+        }
+        break;
+    }
+    case OP_RECORD:
+        if (o->ev->rec_gen == o->ev_gen) {
+            o->ev->t_ns = now_ns();
+            o->ev->timed = 1;
+        }
+        break;
+    case OP_WAIT_EVENT:
+        while (!s->abandon && !stream_idle(o->wait_stream, o->wait_seq))
+            pthread_cond_wait(&g_progress, &g_mu);
+        break;
+    case OP_HOSTFN:
+        st.hostfns++;
+        ensure_callback_thread(c);
+        o->done = 0;
+        o->cb_next = NULL;
+        if (c->cb_tail)
+            c->cb_tail->cb_next = o;
+        else
+            c->cb_head = o;
+        c->cb_tail = o;
+        pthread_cond_signal(&c->cb_cv);
+        while (!o->done && !s->abandon)
+            pthread_cond_wait(&g_progress, &g_mu);
+        if (!o->done) { /* abandoned before it ran: take it off the callback queue */
+            op_t **pp = &c->cb_head, *prev = NULL;
+            while (*pp && *pp != o) {
+                prev = *pp;
+                pp = &(*pp)->cb_next;
+            }
+            if (*pp) {
+                *pp = o->cb_next;
+                if (c->cb_tail == o)
+                    c->cb_tail = prev;
+            }
+            break;
+        }
+        while (o->done == 1) /* running: the callback thread still uses `o` */
+            pthread_cond_wait(&g_progress, &g_mu);
+        break;
+    case OP_WAIT_VALUE: {
+        st.wait_values++;
+        for (;;) {
+            res_t d = resolve(o->dst, 4);
+            if (d.kind == R_BAD || d.kind == R_PAGEABLE) {
+                violation("stream %#llx: cuStreamWaitValue32 on %#llx, which is not allocated "
+                          "(freed while the stream waited?)",
+                          (unsigned long long)s->handle, (unsigned long long)o->dst);
+                set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+                break;
+            }
+            uint32_t v = __atomic_load_n((uint32_t *)(void *)d.p, __ATOMIC_SEQ_CST);
+            if (value_ok(v, o->value, o->flags) || s->abandon || c->sticky)
+                break;
+            /* device writes broadcast g_progress; host writes to mapped memory are polled */
+            cond_wait_ns(&g_progress, d.kind == R_PINNED ? 200000ULL : 20000000ULL);
+        }
+        break;
+    }
+    case OP_WRITE_VALUE: {
+        st.write_values++;
+        res_t d = resolve(o->dst, 4);
+        if (d.kind == R_BAD || d.kind == R_PAGEABLE) {
+            violation("stream %#llx: cuStreamWriteValue32 to %#llx, which is not allocated",
+                      (unsigned long long)s->handle, (unsigned long long)o->dst);
+            set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+            break;
+        }
+        __atomic_store_n((uint32_t *)(void *)d.p, o->value, __ATOMIC_SEQ_CST);
+        break;
+    }
+    case OP_FREE: {
+        alloc_t *a = find_alloc(o->dst, 0);
+        if (!a || a->kind != A_DEVICE || a->addr != o->dst) {
+            violation("stream %#llx: cuMemFreeAsync(%#llx) reached a pointer that is no longer "
+                      "allocated (freed twice?)",
+                      (unsigned long long)s->handle, (unsigned long long)o->dst);
+            set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
+            break;
+        }
+        if (a->busy)
+            violation("stream %#llx: cuMemFreeAsync(%#llx) ran while another stream was copying "
+                      "to or from it (a missing cross-stream dependency)",
+                      (unsigned long long)s->handle, (unsigned long long)o->dst);
+        free_alloc(a);
+        break;
+    }
+    }
+    if (o->staging) {
+        free(o->staging);
+        o->staging = NULL;
+    }
+}
+
+static void unlink_stream(stream_t *s) {
+    ctx_t *c = s->ctx;
+    stream_t **pp = &c->streams;
+    while (*pp && *pp != s)
+        pp = &(*pp)->next;
+    if (*pp)
+        *pp = s->next;
+}
+
+static void *stream_main(void *arg) {
+    stream_t *s = arg;
+    pthread_mutex_lock(&g_mu);
+    for (;;) {
+        while (!s->head && !s->destroyed)
+            pthread_cond_wait(&s->cv, &g_mu);
+        if (!s->head)
+            break;
+        op_t *o = s->head;
+        run_op(s, o);
+        s->head = o->next;
+        if (!s->head)
+            s->tail = NULL;
+        s->completed = o->seq;
+        free(o);
+        pthread_cond_broadcast(&g_progress);
+    }
+    s->running = 0;
+    st.threads_live--;
+    st.streams_live--;
+    unlink_stream(s);
+    pthread_cond_broadcast(&g_progress);
+    pthread_mutex_unlock(&g_mu);
+    /* the stream struct is never freed: events and waits may still point at it */
+    return NULL;
+}
+
+static void *callback_main(void *arg) {
+    ctx_t *c = arg;
+    pthread_mutex_lock(&g_mu);
+    for (;;) {
+        while (!c->cb_head && !c->cb_stop)
+            pthread_cond_wait(&c->cb_cv, &g_mu);
+        if (!c->cb_head)
+            break;
+        op_t *o = c->cb_head;
+        c->cb_head = o->cb_next;
+        if (!c->cb_head)
+            c->cb_tail = NULL;
+        o->done = 1;
+        CUhostFn fn = o->fn;
+        void *a = o->arg;
+        pthread_mutex_unlock(&g_mu);
+        fn(a); /* a C function on a native thread: no Python, no GIL */
+        pthread_mutex_lock(&g_mu);
+        o->done = 2;
+        pthread_cond_broadcast(&g_progress);
+    }
+    c->cb_thread = 0;
+    st.threads_live--;
+    pthread_cond_broadcast(&g_progress);
+    pthread_mutex_unlock(&g_mu);
+    return NULL;
+}
+
+static void ensure_callback_thread(ctx_t *c) {
+    if (c->cb_thread)
+        return;
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, 256 * 1024);
+    c->cb_stop = 0;
+    if (pthread_create(&t, &at, callback_main, c) == 0) {
+        c->cb_thread = 1;
+        st.threads_live++;
+    }
+    pthread_attr_destroy(&at);
+}
+
+/* -- initialisation, devices ------------------------------------------------------------ */
+EXPORT CUresult cuInit(unsigned int flags) {
+    CUresult inj = inject("cuInit");
+    if (inj)
+        return inj;
+    if (flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    CUresult e = cfg.devices > 0 ? CUDA_SUCCESS : CUDA_ERROR_NO_DEVICE;
+    if (!e && !g_initialized) {
+        for (int d = 0; d < MAX_DEVICES; d++) {
+            g_dev[d].ctx.device = d;
+            pthread_cond_init(&g_dev[d].ctx.cb_cv, NULL);
+            g_dev[d].next_addr = DEVICE_SPACE + (uint64_t)d * DEVICE_SPAN + 0x200000;
+            g_dev[d].pool.device = d;
+            g_dev[d].pool.release_threshold = 0;
+        }
+        g_initialized = 1;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *v) {
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    *v = (int)cfg.driver_version;
+    return CUDA_SUCCESS;
+}
+
+static int valid_device(CUdevice d) { return d >= 0 && d < cfg.devices; }
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+    ENTER("cuDeviceGetCount");
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = (int)cfg.devices;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+    ENTER("cuDeviceGet");
+    if (!dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(ordinal))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    ENTER("cuDeviceGetName");
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "aioep CUDA driver emulator (test double) #%d", dev);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+    ENTER("cuDeviceGetUuid");
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    static const char base[16] = {(char)0xe3, 0x70, 0x1a, (char)0xce, 0x00, 0x00, 0x4e, 0x30,
+                                  (char)0x80, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00};
+    memcpy(uuid->bytes, base, 16);
+    uuid->bytes[15] = (char)dev;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid(uuid, dev); }
+
+EXPORT CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice dev) {
+    ENTER("cuDeviceGetPCIBusId");
+    if (!bus || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(bus, (size_t)len, "00000000:%02X:00.0", 0xE0 + dev);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    ENTER("cuDeviceTotalMem");
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = (size_t)cfg.memory_limit;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
+    ENTER("cuDeviceGetAttribute");
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+    case 1: *pi = 1024; break;                       /* MAX_THREADS_PER_BLOCK */
+    case 10: *pi = 32; break;                        /* WARP_SIZE */
+    case 13: *pi = 1000000; break;                   /* CLOCK_RATE (kHz) */
+    case 16: *pi = 4; break;                         /* MULTIPROCESSOR_COUNT */
+    case 18: *pi = 0; break;                         /* INTEGRATED */
+    case 19: *pi = 1; break;                         /* CAN_MAP_HOST_MEMORY */
+    case 33: *pi = 0xE0 + dev; break;                /* PCI_BUS_ID */
+    case 34: *pi = 0; break;                         /* PCI_DEVICE_ID */
+    case 40: *pi = 2; break;                         /* ASYNC_ENGINE_COUNT */
+    case 41: *pi = 1; break;                         /* UNIFIED_ADDRESSING */
+    case 50: *pi = 0; break;                         /* PCI_DOMAIN_ID */
+    case 75: *pi = 9; break;                         /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: *pi = 0; break;                         /* COMPUTE_CAPABILITY_MINOR */
+    case 88: *pi = 0; break;                         /* PAGEABLE_MEMORY_ACCESS */
+    case 89: *pi = 0; break;                         /* CONCURRENT_MANAGED_ACCESS */
+    case 91: *pi = 1; break;                         /* CAN_USE_HOST_POINTER_FOR_REGISTERED */
+    case 92: *pi = cfg.stream_mem_ops ? 1 : 0; break; /* CAN_USE_STREAM_MEM_OPS_V1 */
+    case 99: *pi = 1; break;                         /* HOST_REGISTER_SUPPORTED */
+    case 113: *pi = 1; break;                        /* READ_ONLY_HOST_REGISTER_SUPPORTED */
+    case 115: *pi = 1; break;                        /* MEMORY_POOLS_SUPPORTED */
+    default: *pi = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+    ENTER("cuDeviceCanAccessPeer");
+    if (!can)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev) || !valid_device(peer))
+        return CUDA_ERROR_INVALID_DEVICE;
+    *can = dev != peer;
+    return CUDA_SUCCESS;
+}
+
+/* -- contexts --------------------------------------------------------------------------- */
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    ENTER("cuDevicePrimaryCtxRetain");
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c = &g_dev[dev].ctx;
+    if (!c->handle)
+        c->handle = handle_new(K_CTX, c);
+    if (!c->active) {
+        c->active = 1;
+        c->sticky = 0;
+        c->peer_mask = 0;
+    }
+    c->refs++;
+    *pctx = (CUcontext)(uintptr_t)c->handle;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+/* The primary context's last reference is gone: it is destroyed with everything in it. */
+static void ctx_reset(ctx_t *c) {
+    if (!wait_ctx(c, 5000000000ULL))
+        violation("device %d: its primary context was released while work was still pending "
+                  "after 5 s (a stream blocked forever?); the work was abandoned",
+                  c->device);
+    for (stream_t *s = c->streams; s; s = s->next) {
+        if (!s->legacy && !s->destroyed)
+            handle_free(s->handle);
+        s->destroyed = 1;
+        s->abandon = 1;
+        pthread_cond_signal(&s->cv);
+    }
+    c->null_stream = NULL;
+    c->cb_stop = 1;
+    pthread_cond_signal(&c->cb_cv);
+    for (event_t *e = g_events; e; e = e->next) {
+        if (e->ctx == c && e->gen == c->gen && !e->destroyed) {
+            e->destroyed = 1;
+            handle_free(e->handle);
+        }
+    }
+    for (alloc_t *a = g_allocs, *next; a; a = next) {
+        next = a->next;
+        if (a->freed || a->ctx != c)
+            continue;
+        if (a->kind == A_PINNED && !cfg.unmap_pinned_on_reset)
+            a->host = NULL; /* leave it mapped (and leaked) */
+        free_alloc(a);
+    }
+    c->active = 0;
+    c->gen++;
+    c->sticky = 0;
+    c->peer_mask = 0;
+    pthread_cond_broadcast(&g_progress);
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    ENTER("cuDevicePrimaryCtxRelease");
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c = &g_dev[dev].ctx;
+    CUresult e = CUDA_SUCCESS;
+    if (c->refs <= 0) {
+        e = CUDA_ERROR_INVALID_CONTEXT;
+    } else if (--c->refs == 0) {
+        ctx_reset(c);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+static ctx_t *ctx_of(CUcontext h) { return handle_get((uint64_t)(uintptr_t)h, K_CTX); }
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext h) {
+    ENTER("cuCtxPushCurrent");
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c = ctx_of(h);
+    pthread_mutex_unlock(&g_mu);
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (tls_depth == 64)
+        return CUDA_ERROR_INVALID_VALUE;
+    tls_stack[tls_depth++] = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *out) {
+    ENTER("cuCtxPopCurrent");
+    if (!tls_depth)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_t *c = tls_stack[--tls_depth];
+    if (out)
+        *out = c ? (CUcontext)(uintptr_t)c->handle : NULL;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetCurrent(CUcontext h) {
+    ENTER("cuCtxSetCurrent");
+    ctx_t *c = NULL;
+    if (h) {
+        pthread_mutex_lock(&g_mu);
+        c = ctx_of(h);
+        pthread_mutex_unlock(&g_mu);
+        if (!c)
+            return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (!tls_depth) {
+        if (c)
+            tls_stack[tls_depth++] = c;
+    } else {
+        tls_stack[tls_depth - 1] = c;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *out) {
+    ENTER("cuCtxGetCurrent");
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    ctx_t *c = current_ctx();
+    *out = c ? (CUcontext)(uintptr_t)c->handle : NULL;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
+    ENTER("cuCtxGetDevice");
+    if (!dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e)
+        *dev = c->device;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuCtxSynchronize(void) {
+    ENTER("cuCtxSynchronize");
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e) {
+        wait_ctx(c, 0);
+        e = c->sticky;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+    ENTER("cuCtxEnablePeerAccess");
+    if (flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c, *p = ctx_of(peer);
+    CUresult e = need_ctx(&c);
+    if (!e && (!p || !p->active))
+        e = CUDA_ERROR_INVALID_HANDLE;
+    if (!e && p == c)
+        e = CUDA_ERROR_INVALID_DEVICE;
+    if (!e && (c->peer_mask & (1u << p->device)))
+        e = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    if (!e)
+        c->peer_mask |= 1u << p->device;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* -- streams ---------------------------------------------------------------------------- */
+EXPORT CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
+    ENTER("cuStreamCreate");
+    if (!out || flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e) {
+        stream_t *s = stream_new(c, flags, 0);
+        *out = (CUstream)(uintptr_t)s->handle;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamDestroy_v2(CUstream h) {
+    ENTER("cuStreamDestroy");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s = handle_get((uint64_t)(uintptr_t)h, K_STREAM);
+    CUresult e = CUDA_SUCCESS;
+    if (!s || s->destroyed) {
+        e = CUDA_ERROR_INVALID_HANDLE;
+    } else {
+        /* Like the driver: returns at once; work already enqueued still runs. */
+        s->destroyed = 1;
+        handle_free(s->handle);
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream h) {
+    ENTER("cuStreamSynchronize");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e) {
+        wait_stream(s, s->enqueued);
+        e = s->ctx->sticky;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamQuery(CUstream h) {
+    ENTER("cuStreamQuery");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e && !stream_idle(s, s->enqueued))
+        e = CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamGetCtx(CUstream h, CUcontext *out) {
+    ENTER("cuStreamGetCtx");
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        *out = (CUcontext)(uintptr_t)s->ctx->handle;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamWaitEvent(CUstream h, CUevent ev, unsigned int flags) {
+    ENTER("cuStreamWaitEvent");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    event_t *x = handle_get((uint64_t)(uintptr_t)ev, K_EVENT);
+    if (!e && (!x || x->destroyed))
+        e = CUDA_ERROR_INVALID_HANDLE;
+    if (!e && flags > 1)
+        e = CUDA_ERROR_INVALID_VALUE;
+    if (!e && x->stream) {
+        /* The wait captures the event's state now; a later record does not move it. */
+        op_t *o = op_new(OP_WAIT_EVENT);
+        o->wait_stream = x->stream;
+        o->wait_seq = x->seq;
+        enqueue(s, o);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuLaunchHostFunc(CUstream h, CUhostFn fn, void *arg) {
+    ENTER("cuLaunchHostFunc");
+    if (!fn)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e) {
+        ensure_callback_thread(s->ctx);
+        op_t *o = op_new(OP_HOSTFN);
+        o->fn = fn;
+        o->arg = arg;
+        enqueue(s, o);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+static CUresult mem_op_target(CUdeviceptr addr) {
+    res_t d = resolve(addr, 4);
+    if (addr & 3)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (d.kind == R_DEVICE)
+        return CUDA_SUCCESS;
+    if (d.kind == R_PINNED && (d.a->flags & 2)) /* DEVICEMAP: the device can reach it */
+        return CUDA_SUCCESS;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, unsigned int value,
+                                       unsigned int flags) {
+    ENTER("cuStreamWaitValue32");
+    if (!cfg.stream_mem_ops)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if ((flags & 0xF) > 3)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = mem_op_target(addr);
+    if (!e) {
+        op_t *o = op_new(OP_WAIT_VALUE);
+        o->dst = addr;
+        o->value = value;
+        o->flags = flags;
+        enqueue(s, o);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, unsigned int value,
+                                        unsigned int flags) {
+    ENTER("cuStreamWriteValue32");
+    if (!cfg.stream_mem_ops)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (flags > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = mem_op_target(addr);
+    if (!e) {
+        op_t *o = op_new(OP_WRITE_VALUE);
+        o->dst = addr;
+        o->value = value;
+        enqueue(s, o);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* -- events ----------------------------------------------------------------------------- */
+EXPORT CUresult cuEventCreate(CUevent *out, unsigned int flags) {
+    ENTER("cuEventCreate");
+    if (!out || flags > 7)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e) {
+        event_t *x = calloc(1, sizeof *x);
+        x->ctx = c;
+        x->gen = c->gen;
+        x->flags = flags;
+        x->handle = handle_new(K_EVENT, x);
+        x->next = g_events;
+        g_events = x;
+        st.events_created++;
+        *out = (CUevent)(uintptr_t)x->handle;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+static CUresult get_event(CUevent h, event_t **out) {
+    event_t *x = handle_get((uint64_t)(uintptr_t)h, K_EVENT);
+    if (!x || x->destroyed)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *out = x;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuEventDestroy_v2(CUevent h) {
+    ENTER("cuEventDestroy");
+    pthread_mutex_lock(&g_mu);
+    event_t *x;
+    CUresult e = get_event(h, &x);
+    if (!e) {
+        x->destroyed = 1; /* pending records and waits keep the struct: it is never freed */
+        handle_free(x->handle);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuEventRecord(CUevent h, CUstream sh) {
+    ENTER("cuEventRecord");
+    pthread_mutex_lock(&g_mu);
+    event_t *x;
+    stream_t *s;
+    CUresult e = get_event(h, &x);
+    if (!e)
+        e = get_stream(sh, &s);
+    if (!e && s->ctx != x->ctx)
+        e = CUDA_ERROR_INVALID_HANDLE; /* event and stream of different contexts */
+    if (!e) {
+        op_t *o = op_new(OP_RECORD);
+        o->ev = x;
+        o->ev_gen = ++x->rec_gen;
+        x->timed = 0;
+        enqueue(s, o);
+        x->stream = s;
+        x->seq = o->seq;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuEventQuery(CUevent h) {
+    ENTER("cuEventQuery");
+    pthread_mutex_lock(&g_mu);
+    event_t *x;
+    CUresult e = get_event(h, &x);
+    if (!e && x->ctx->sticky)
+        e = x->ctx->sticky;
+    if (!e && x->stream && !stream_idle(x->stream, x->seq))
+        e = CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuEventSynchronize(CUevent h) {
+    ENTER("cuEventSynchronize");
+    pthread_mutex_lock(&g_mu);
+    event_t *x;
+    CUresult e = get_event(h, &x);
+    if (!e && x->stream) {
+        wait_stream(x->stream, x->seq);
+    }
+    if (!e && x->ctx->sticky)
+        e = x->ctx->sticky;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
+    ENTER("cuEventElapsedTime");
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    event_t *x, *y;
+    CUresult e = get_event(a, &x);
+    if (!e)
+        e = get_event(b, &y);
+    if (!e && ((x->flags | y->flags) & 2))
+        e = CUDA_ERROR_INVALID_HANDLE; /* CU_EVENT_DISABLE_TIMING */
+    if (!e && (!x->stream || !y->stream))
+        e = CUDA_ERROR_INVALID_HANDLE; /* never recorded */
+    if (!e && (!stream_idle(x->stream, x->seq) || !stream_idle(y->stream, y->seq)))
+        e = CUDA_ERROR_NOT_READY;
+    if (!e && (!x->timed || !y->timed))
+        e = CUDA_ERROR_NOT_READY;
+    if (!e)
+        *ms = (float)((double)((int64_t)(y->t_ns - x->t_ns)) / 1e6);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) {
+    return cuEventElapsedTime(ms, a, b);
+}
+
+/* -- memory ----------------------------------------------------------------------------- */
+static CUresult device_alloc(ctx_t *c, size_t n, int from_pool, CUdeviceptr *out) {
+    device_t *d = &g_dev[c->device];
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((long long)n > cfg.memory_limit - d->used)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t map = (n + page - 1) / page * page;
+    void *host = mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (host == MAP_FAILED)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    alloc_t *a = calloc(1, sizeof *a);
+    a->addr = d->next_addr;
+    a->size = n;
+    a->host = host;
+    a->map_size = map;
+    a->kind = A_DEVICE;
+    a->device = c->device;
+    a->from_pool = from_pool;
+    a->ctx = c;
+    /* addresses are never reused: 256-byte aligned, a 4 KiB hole after each allocation */
+    d->next_addr += (n + 4096 + 255) / 256 * 256;
+    d->used += (long long)n;
+    if (from_pool)
+        d->pool_used += (long long)n;
+    a->next = g_allocs;
+    g_allocs = a;
+    st.device_allocs++;
+    *out = a->addr;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) {
+    ENTER("cuMemAlloc");
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e)
+        e = device_alloc(c, n, 0, out);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t n, CUstream h) {
+    ENTER("cuMemAllocAsync");
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = device_alloc(s->ctx, n, 1, out);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    ENTER("cuMemFree");
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    alloc_t *a = NULL;
+    if (!e) {
+        a = find_alloc(p, 0);
+        if (!a || a->kind != A_DEVICE || a->addr != p)
+            e = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!e) {
+        /* cuMemFree synchronizes: work already enqueued that uses the memory finishes */
+        wait_ctx(&g_dev[a->device].ctx, 0);
+        a = find_alloc(p, 0);
+        if (a && a->kind == A_DEVICE && a->addr == p)
+            free_alloc(a);
+        else
+            e = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream h) {
+    ENTER("cuMemFreeAsync");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e) {
+        alloc_t *a = find_alloc(p, 0);
+        if (!a || a->kind != A_DEVICE || a->addr != p)
+            e = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!e) {
+        op_t *o = op_new(OP_FREE);
+        o->dst = p;
+        enqueue(s, o);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
+    ENTER("cuMemGetInfo");
+    if (!free_b || !total)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e) {
+        *total = (size_t)cfg.memory_limit;
+        long long f = cfg.memory_limit - g_dev[c->device].used;
+        *free_b = (size_t)(f > 0 ? f : 0);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+static int host_overlaps(uint64_t p, size_t n) {
+    for (alloc_t *a = g_allocs; a; a = a->next)
+        if (!a->freed && a->kind != A_DEVICE && p < a->addr + a->size && a->addr < p + n)
+            return 1;
+    return 0;
+}
+
+EXPORT CUresult cuMemHostAlloc(void **pp, size_t n, unsigned int flags) {
+    ENTER("cuMemHostAlloc");
+    if (!pp || !n || flags > 7)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e && (long long)n > cfg.pinned_limit - g_pinned_used)
+        e = CUDA_ERROR_OUT_OF_MEMORY;
+    if (!e) {
+        size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        size_t map = (n + page - 1) / page * page;
+        void *host = mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (host == MAP_FAILED) {
+            e = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            alloc_t *a = calloc(1, sizeof *a);
+            a->addr = (uint64_t)(uintptr_t)host;
+            a->size = n;
+            a->host = host;
+            a->map_size = map;
+            a->kind = A_PINNED;
+            a->flags = flags;
+            a->device = c->device;
+            a->ctx = c;
+            a->next = g_allocs;
+            g_allocs = a;
+            g_pinned_used += (long long)n;
+            st.pinned_allocs++;
+            *pp = host;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t n) { return cuMemHostAlloc(pp, n, 0); }
+
+EXPORT CUresult cuMemFreeHost(void *p) {
+    ENTER("cuMemFreeHost");
+    pthread_mutex_lock(&g_mu);
+    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 0);
+    CUresult e = CUDA_SUCCESS;
+    if (!a || a->kind != A_PINNED || a->addr != (uint64_t)(uintptr_t)p) {
+        e = CUDA_ERROR_INVALID_VALUE;
+    } else {
+        wait_ctx(a->ctx, 0); /* synchronizes, like the driver */
+        a = find_alloc((uint64_t)(uintptr_t)p, 0);
+        if (a && a->kind == A_PINNED)
+            free_alloc(a);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
+    ENTER("cuMemHostRegister");
+    if (!p || !n || flags > 15)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    ctx_t *c;
+    CUresult e = need_ctx(&c);
+    if (!e && host_overlaps((uint64_t)(uintptr_t)p, n))
+        e = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    if (!e) {
+        alloc_t *a = calloc(1, sizeof *a);
+        a->addr = (uint64_t)(uintptr_t)p;
+        a->size = n;
+        a->kind = A_REGISTERED;
+        a->flags = flags;
+        a->device = c->device;
+        a->ctx = c;
+        a->next = g_allocs;
+        g_allocs = a;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemHostUnregister(void *p) {
+    ENTER("cuMemHostUnregister");
+    pthread_mutex_lock(&g_mu);
+    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 0);
+    CUresult e = CUDA_SUCCESS;
+    if (!a || a->kind != A_REGISTERED || a->addr != (uint64_t)(uintptr_t)p) {
+        e = CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    } else {
+        wait_ctx(a->ctx, 0);
+        a = find_alloc((uint64_t)(uintptr_t)p, 0);
+        if (a && a->kind == A_REGISTERED)
+            free_alloc(a);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *out, void *p, unsigned int flags) {
+    ENTER("cuMemHostGetDevicePointer");
+    if (!out || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 1);
+    CUresult e = CUDA_SUCCESS;
+    if (!a || a->kind == A_DEVICE || !(a->flags & 2))
+        e = CUDA_ERROR_INVALID_VALUE;
+    else
+        *out = (CUdeviceptr)(uintptr_t)p; /* unified addressing: the same address */
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemHostGetFlags(unsigned int *flags, void *p) {
+    ENTER("cuMemHostGetFlags");
+    if (!flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 1);
+    CUresult e = CUDA_SUCCESS;
+    if (!a || a->kind != A_PINNED)
+        e = CUDA_ERROR_INVALID_VALUE;
+    else
+        *flags = a->flags;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    ENTER("cuPointerGetAttribute");
+    if (!data)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    alloc_t *a = find_alloc(p, 1);
+    CUresult e = CUDA_SUCCESS;
+    if (!a) {
+        e = CUDA_ERROR_INVALID_VALUE; /* pageable host memory, or nothing at all */
+    } else {
+        int dev = a->kind == A_DEVICE;
+        switch (attr) {
+        case 1: /* CONTEXT */
+            *(CUcontext *)data = (CUcontext)(uintptr_t)a->ctx->handle;
+            break;
+        case 2: /* MEMORY_TYPE */
+            *(unsigned int *)data = dev ? 2 : 1;
+            break;
+        case 3: /* DEVICE_POINTER */
+            if (!dev && !(a->flags & 2))
+                e = CUDA_ERROR_INVALID_VALUE;
+            else
+                *(CUdeviceptr *)data = p;
+            break;
+        case 4: /* HOST_POINTER */
+            if (dev)
+                e = CUDA_ERROR_INVALID_VALUE;
+            else
+                *(void **)data = (void *)(uintptr_t)p;
+            break;
+        case 6: /* SYNC_MEMOPS */
+        case 8: /* IS_MANAGED */
+            *(char *)data = 0;
+            break;
+        case 9: /* DEVICE_ORDINAL */
+            *(int *)data = a->device;
+            break;
+        case 11: /* RANGE_START_ADDR */
+            *(CUdeviceptr *)data = a->addr;
+            break;
+        case 12: /* RANGE_SIZE */
+            *(size_t *)data = a->size;
+            break;
+        case 13: /* MAPPED */
+            *(char *)data = 1;
+            break;
+        case 17: /* MEMPOOL_HANDLE */
+            if (!dev || !a->from_pool)
+                e = CUDA_ERROR_INVALID_VALUE;
+            else
+                *(CUmemoryPool *)data = (CUmemoryPool)(uintptr_t)g_dev[a->device].pool.handle;
+            break;
+        default:
+            e = CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* -- copies and memsets ----------------------------------------------------------------- */
+/* Enqueue a copy on `s` (lock held). Pageable host memory: a host-to-device copy stages the
+ * source on the calling thread before returning; a copy into pageable memory returns only
+ * once the stream has done it (the real driver's behaviour: synchronous for the host). */
+static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n, int sync) {
+    if (!n)
+        return CUDA_SUCCESS;
+    res_t d = resolve(dst, n), r = resolve(src, n);
+    if (d.kind == R_BAD || r.kind == R_BAD)
+        return CUDA_ERROR_INVALID_VALUE;
+    op_t *o = op_new(OP_COPY);
+    o->dst = dst;
+    o->src = src;
+    o->n = n;
+    int pageable = d.kind == R_PAGEABLE || r.kind == R_PAGEABLE;
+    int watched = cfg.watch_tid && my_tid() == cfg.watch_tid;
+    if (pageable) {
+        st.pageable_copies++;
+        if (watched)
+            st.watched_pageable++;
+    }
+    if (r.kind == R_PAGEABLE && d.kind != R_PAGEABLE) {
+        o->kind = OP_STAGED;
+        o->staging = malloc(n);
+        if (!o->staging) {
+            free(o);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        pthread_mutex_unlock(&g_mu);
+        uint64_t t0 = now_ns();
+        memcpy(o->staging, r.p, n);
+        throttle(n); /* staging runs at the copy's speed too */
+        pthread_mutex_lock(&g_mu);
+        if (watched) {
+            st.watched_blocking++;
+            st.watched_blocking_ns += (long long)(now_ns() - t0);
+        }
+        if (s->destroyed || !s->ctx->active) {
+            free(o->staging);
+            free(o);
+            return CUDA_ERROR_INVALID_HANDLE;
+        }
+    }
+    enqueue(s, o);
+    if (sync || d.kind == R_PAGEABLE) {
+        uint64_t seq = o->seq;
+        wait_stream(s, seq);
+        if (s->ctx->sticky)
+            return s->ctx->sticky;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
+    ENTER("cuMemcpyAsync");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = copy_on(s, dst, src, n, 0);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src,
+                                  CUcontext sctx, size_t n, CUstream h) {
+    ENTER("cuMemcpyPeerAsync");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    ctx_t *dc = ctx_of(dctx), *sc = ctx_of(sctx);
+    if (!e && (!dc || !sc || !dc->active || !sc->active))
+        e = CUDA_ERROR_INVALID_CONTEXT;
+    if (!e) {
+        res_t d = resolve(dst, n), r = resolve(src, n);
+        if (d.kind != R_DEVICE || r.kind != R_DEVICE || d.a->ctx != dc || r.a->ctx != sc)
+            e = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!e)
+        e = copy_on(s, dst, src, n, 0);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+static CUresult copy_sync(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(NULL, &s);
+    if (!e)
+        e = copy_on(s, dst, src, n, 1);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    ENTER("cuMemcpy");
+    return copy_sync(dst, src, n);
+}
+
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    ENTER("cuMemcpyHtoD");
+    return copy_sync(dst, (CUdeviceptr)(uintptr_t)src, n);
+}
+
+EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    ENTER("cuMemcpyDtoH");
+    return copy_sync((CUdeviceptr)(uintptr_t)dst, src, n);
+}
+
+EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    ENTER("cuMemcpyDtoD");
+    return copy_sync(dst, src, n);
+}
+
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream h) {
+    return cuMemcpyAsync(dst, (CUdeviceptr)(uintptr_t)src, n, h);
+}
+
+EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream h) {
+    return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, n, h);
+}
+
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream h) {
+    return cuMemcpyAsync(dst, src, n, h);
+}
+
+static CUresult memset_on(stream_t *s, CUdeviceptr dst, unsigned v, size_t count, int kind,
+                          int sync) {
+    size_t bytes = kind == OP_MEMSET32 ? count * 4 : count;
+    if (!count)
+        return CUDA_SUCCESS;
+    if (kind == OP_MEMSET32 && (dst & 3))
+        return CUDA_ERROR_INVALID_VALUE;
+    res_t d = resolve(dst, bytes);
+    if (d.kind != R_DEVICE && d.kind != R_PINNED)
+        return CUDA_ERROR_INVALID_VALUE;
+    op_t *o = op_new(kind);
+    o->dst = dst;
+    o->value = v;
+    o->n = count;
+    enqueue(s, o);
+    if (sync) {
+        wait_stream(s, o->seq);
+        if (s->ctx->sticky)
+            return s->ctx->sticky;
+    }
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, size_t n) {
+    ENTER("cuMemsetD32");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(NULL, &s);
+    if (!e)
+        e = memset_on(s, dst, v, n, OP_MEMSET32, 1);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream h) {
+    ENTER("cuMemsetD32Async");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = memset_on(s, dst, v, n, OP_MEMSET32, 0);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    ENTER("cuMemsetD8");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(NULL, &s);
+    if (!e)
+        e = memset_on(s, dst, v, n, OP_MEMSET8, 1);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream h) {
+    ENTER("cuMemsetD8Async");
+    pthread_mutex_lock(&g_mu);
+    stream_t *s;
+    CUresult e = get_stream(h, &s);
+    if (!e)
+        e = memset_on(s, dst, v, n, OP_MEMSET8, 0);
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* -- memory pools (the device's default pool only) -------------------------------------- */
+EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *out, CUdevice dev) {
+    ENTER("cuDeviceGetDefaultMemPool");
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!valid_device(dev))
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_mu);
+    pool_t *p = &g_dev[dev].pool;
+    if (!p->handle)
+        p->handle = handle_new(K_POOL, p);
+    *out = (CUmemoryPool)(uintptr_t)p->handle;
+    pthread_mutex_unlock(&g_mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool h, int attr, void *value) {
+    ENTER("cuMemPoolSetAttribute");
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    pool_t *p = handle_get((uint64_t)(uintptr_t)h, K_POOL);
+    CUresult e = CUDA_SUCCESS;
+    if (!p)
+        e = CUDA_ERROR_INVALID_HANDLE;
+    else if (attr == 4) /* RELEASE_THRESHOLD */
+        p->release_threshold = *(unsigned long long *)value;
+    else if (attr >= 1 && attr <= 3) /* REUSE_* */
+        p->reuse[attr] = *(int *)value;
+    else if (attr == 6 || attr == 8) /* reset the high-water marks: only 0 is valid */
+        e = *(unsigned long long *)value ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    else
+        e = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool h, int attr, void *value) {
+    ENTER("cuMemPoolGetAttribute");
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    pool_t *p = handle_get((uint64_t)(uintptr_t)h, K_POOL);
+    CUresult e = CUDA_SUCCESS;
+    if (!p)
+        e = CUDA_ERROR_INVALID_HANDLE;
+    else if (attr == 4)
+        *(unsigned long long *)value = p->release_threshold;
+    else if (attr >= 1 && attr <= 3)
+        *(int *)value = p->reuse[attr];
+    else if (attr >= 5 && attr <= 8)
+        *(unsigned long long *)value = (unsigned long long)g_dev[p->device].pool_used;
+    else
+        e = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool h, const CUmemAccessDesc *desc, size_t count) {
+    ENTER("cuMemPoolSetAccess");
+    if (!desc && count)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_mu);
+    pool_t *p = handle_get((uint64_t)(uintptr_t)h, K_POOL);
+    CUresult e = p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    for (size_t i = 0; !e && i < count; i++) {
+        if (desc[i].location.type != 1 || !valid_device(desc[i].location.id) ||
+            desc[i].flags < 0 || desc[i].flags > 3)
+            e = CUDA_ERROR_INVALID_VALUE;
+        else if (desc[i].location.id == p->device && desc[i].flags != 3)
+            e = CUDA_ERROR_INVALID_DEVICE; /* the owner keeps read-write access */
+    }
+    pthread_mutex_unlock(&g_mu);
+    return e;
+}
+
+/* -- errors ----------------------------------------------------------------------------- */
+static const struct {
+    int code;
+    const char *name, *text;
+} g_errors[] = {
+    {0, "CUDA_SUCCESS", "no error"},
+    {1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {3, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {4, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {100, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {101, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {600, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {704, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED", "peer access is already enabled"},
+    {705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", "peer access has not been enabled"},
+    {709, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered "
+                                                   "memory region"},
+    {719, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+EXPORT CUresult cuGetErrorName(CUresult e, const char **out) {
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_errors / sizeof g_errors[0]; i++) {
+        if (g_errors[i].code == e) {
+            *out = g_errors[i].name;
+            return CUDA_SUCCESS;
+        }
+    }
+    *out = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult e, const char **out) {
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_errors / sizeof g_errors[0]; i++) {
+        if (g_errors[i].code == e) {
+            *out = g_errors[i].text;
+            return CUDA_SUCCESS;
+        }
+    }
+    *out = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* -- cuGetProcAddress: how cuda-bindings finds every function ---------------------------- */
+typedef struct {
+    const char *name;
+    int since; /* the CUDA version that introduced this variant */
+    int until; /* the version of a newer variant with another signature (0: none) */
+    void *fn;
+} proc_t;
+
+#define P(n, s, u, f) {n, s, u, (void *)(f)}
+static const proc_t g_procs[] = {
+    P("cuInit", 2000, 0, cuInit),
+    P("cuDriverGetVersion", 2020, 0, cuDriverGetVersion),
+    P("cuGetErrorName", 6000, 0, cuGetErrorName),
+    P("cuGetErrorString", 6000, 0, cuGetErrorString),
+    P("cuDeviceGet", 2000, 0, cuDeviceGet),
+    P("cuDeviceGetCount", 2000, 0, cuDeviceGetCount),
+    P("cuDeviceGetName", 2000, 0, cuDeviceGetName),
+    P("cuDeviceGetUuid", 9020, 0, cuDeviceGetUuid),
+    P("cuDeviceGetPCIBusId", 4010, 0, cuDeviceGetPCIBusId),
+    P("cuDeviceTotalMem", 3020, 0, cuDeviceTotalMem_v2),
+    P("cuDeviceGetAttribute", 2000, 0, cuDeviceGetAttribute),
+    P("cuDeviceCanAccessPeer", 4000, 0, cuDeviceCanAccessPeer),
+    P("cuDevicePrimaryCtxRetain", 7000, 0, cuDevicePrimaryCtxRetain),
+    P("cuDevicePrimaryCtxRelease", 11000, 0, cuDevicePrimaryCtxRelease_v2),
+    P("cuDeviceGetDefaultMemPool", 11020, 0, cuDeviceGetDefaultMemPool),
+    P("cuCtxPushCurrent", 4000, 0, cuCtxPushCurrent_v2),
+    P("cuCtxPopCurrent", 4000, 0, cuCtxPopCurrent_v2),
+    P("cuCtxSetCurrent", 4000, 0, cuCtxSetCurrent),
+    P("cuCtxGetCurrent", 4000, 0, cuCtxGetCurrent),
+    P("cuCtxGetDevice", 2000, 13000, cuCtxGetDevice),
+    P("cuCtxSynchronize", 2000, 13000, cuCtxSynchronize),
+    P("cuCtxEnablePeerAccess", 4000, 0, cuCtxEnablePeerAccess),
+    P("cuStreamCreate", 2000, 0, cuStreamCreate),
+    P("cuStreamDestroy", 4000, 0, cuStreamDestroy_v2),
+    P("cuStreamSynchronize", 2000, 0, cuStreamSynchronize),
+    P("cuStreamQuery", 2000, 0, cuStreamQuery),
+    P("cuStreamGetCtx", 9020, 12050, cuStreamGetCtx),
+    P("cuStreamWaitEvent", 3020, 0, cuStreamWaitEvent),
+    P("cuLaunchHostFunc", 10000, 13020, cuLaunchHostFunc),
+    P("cuStreamWaitValue32", 8000, 0, cuStreamWaitValue32_v2),
+    P("cuStreamWriteValue32", 8000, 0, cuStreamWriteValue32_v2),
+    P("cuEventCreate", 2000, 0, cuEventCreate),
+    P("cuEventDestroy", 4000, 0, cuEventDestroy_v2),
+    P("cuEventRecord", 2000, 0, cuEventRecord),
+    P("cuEventQuery", 2000, 0, cuEventQuery),
+    P("cuEventSynchronize", 2000, 0, cuEventSynchronize),
+    P("cuEventElapsedTime", 2000, 0, cuEventElapsedTime),
+    P("cuMemAlloc", 3020, 0, cuMemAlloc_v2),
+    P("cuMemAllocAsync", 11020, 0, cuMemAllocAsync),
+    P("cuMemFree", 3020, 0, cuMemFree_v2),
+    P("cuMemFreeAsync", 11020, 0, cuMemFreeAsync),
+    P("cuMemGetInfo", 3020, 0, cuMemGetInfo_v2),
+    P("cuMemHostAlloc", 2020, 0, cuMemHostAlloc),
+    P("cuMemAllocHost", 3020, 0, cuMemAllocHost_v2),
+    P("cuMemFreeHost", 2000, 0, cuMemFreeHost),
+    P("cuMemHostRegister", 6050, 0, cuMemHostRegister_v2),
+    P("cuMemHostUnregister", 4000, 0, cuMemHostUnregister),
+    P("cuMemHostGetDevicePointer", 3020, 0, cuMemHostGetDevicePointer_v2),
+    P("cuMemHostGetFlags", 2030, 0, cuMemHostGetFlags),
+    P("cuPointerGetAttribute", 4000, 0, cuPointerGetAttribute),
+    P("cuMemcpy", 4000, 0, cuMemcpy),
+    P("cuMemcpyAsync", 4000, 0, cuMemcpyAsync),
+    P("cuMemcpyPeerAsync", 4000, 0, cuMemcpyPeerAsync),
+    P("cuMemcpyHtoD", 3020, 0, cuMemcpyHtoD_v2),
+    P("cuMemcpyDtoH", 3020, 0, cuMemcpyDtoH_v2),
+    P("cuMemcpyDtoD", 3020, 0, cuMemcpyDtoD_v2),
+    P("cuMemcpyHtoDAsync", 3020, 0, cuMemcpyHtoDAsync_v2),
+    P("cuMemcpyDtoHAsync", 3020, 0, cuMemcpyDtoHAsync_v2),
+    P("cuMemcpyDtoDAsync", 3020, 0, cuMemcpyDtoDAsync_v2),
+    P("cuMemsetD32", 3020, 0, cuMemsetD32_v2),
+    P("cuMemsetD32Async", 3020, 0, cuMemsetD32Async),
+    P("cuMemsetD8", 3020, 0, cuMemsetD8_v2),
+    P("cuMemsetD8Async", 3020, 0, cuMemsetD8Async),
+    P("cuMemPoolSetAttribute", 11020, 0, cuMemPoolSetAttribute),
+    P("cuMemPoolGetAttribute", 11020, 0, cuMemPoolGetAttribute),
+    P("cuMemPoolSetAccess", 11020, 0, cuMemPoolSetAccess),
+};
+
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                                    unsigned long long flags, int *status) {
+    (void)flags; /* default / legacy / per-thread stream variants are the same functions here */
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    int found_name = 0;
+    for (size_t i = 0; i < sizeof g_procs / sizeof g_procs[0]; i++) {
+        const proc_t *p = &g_procs[i];
+        if (strcmp(p->name, symbol) != 0)
+            continue;
+        found_name = 1;
+        if (version >= p->since && (!p->until || version < p->until)) {
+            *pfn = p->fn;
+            if (status)
+                *status = 0; /* CU_GET_PROC_ADDRESS_SUCCESS */
+            return CUDA_SUCCESS;
+        }
+    }
+    *pfn = NULL;
+    if (status)
+        *status = found_name ? 2 : 1; /* VERSION_NOT_SUFFICIENT : SYMBOL_NOT_FOUND */
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version,
+                                 unsigned long long flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+/* -- test control (not part of the CUDA API) -------------------------------------------- */
+static long long *cfg_field(const char *key) {
+    if (!strcmp(key, "devices")) return &cfg.devices;
+    if (!strcmp(key, "memory_limit")) return &cfg.memory_limit;
+    if (!strcmp(key, "pinned_limit")) return &cfg.pinned_limit;
+    if (!strcmp(key, "bandwidth")) return &cfg.bandwidth;
+    if (!strcmp(key, "latency_ns")) return &cfg.latency_ns;
+    if (!strcmp(key, "stream_mem_ops")) return &cfg.stream_mem_ops;
+    if (!strcmp(key, "driver_version")) return &cfg.driver_version;
+    if (!strcmp(key, "watch_tid")) return &cfg.watch_tid;
+    if (!strcmp(key, "lose_after_copies")) return &cfg.lose_after_copies;
+    if (!strcmp(key, "unmap_pinned_on_reset")) return &cfg.unmap_pinned_on_reset;
+    return NULL;
+}
+
+static long long *stat_field(const char *key) {
+#define S(f) if (!strcmp(key, #f)) return &st.f
+    S(copies); S(bytes_copied); S(violations); S(hostfns); S(pageable_copies);
+    S(watched_pageable); S(watched_blocking); S(watched_blocking_ns); S(streams_created);
+    S(streams_live); S(threads_live); S(events_created); S(device_allocs); S(pinned_allocs);
+    S(abandoned_ops); S(sticky_errors); S(wait_values); S(write_values); S(max_queue);
+#undef S
+    return NULL;
+}
+
+/* Set a configuration value; returns 0, or -1 for an unknown key or a bad value. */
+EXPORT int cuemu_set(const char *key, long long value) {
+    pthread_mutex_lock(&g_mu);
+    long long *f = cfg_field(key);
+    int rc = 0;
+    if (!f || (!strcmp(key, "devices") && (value < 0 || value > MAX_DEVICES)))
+        rc = -1;
+    if (!rc && !strcmp(key, "devices"))
+        for (int d = (int)value; d < MAX_DEVICES; d++)
+            if (g_dev[d].ctx.refs)
+                rc = -2; /* a device with a retained context cannot disappear */
+    if (!rc)
+        *f = value;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* A configuration value or a statistic (device_used / pinned_used / live_allocs /
+ * retained_contexts are computed); -1 for an unknown key. */
+EXPORT long long cuemu_get(const char *key) {
+    pthread_mutex_lock(&g_mu);
+    long long out = -1, *f = cfg_field(key);
+    if (!f)
+        f = stat_field(key);
+    if (f) {
+        out = *f;
+    } else if (!strcmp(key, "device_used")) {
+        out = 0;
+        for (int d = 0; d < MAX_DEVICES; d++)
+            out += g_dev[d].used;
+    } else if (!strcmp(key, "pinned_used")) {
+        out = g_pinned_used;
+    } else if (!strcmp(key, "live_allocs")) {
+        out = 0;
+        for (alloc_t *a = g_allocs; a; a = a->next)
+            out += !a->freed;
+    } else if (!strcmp(key, "retained_contexts")) {
+        out = 0;
+        for (int d = 0; d < MAX_DEVICES; d++)
+            out += g_dev[d].ctx.refs;
+    } else if (!strcmp(key, "sticky")) {
+        out = 0;
+        for (int d = 0; d < MAX_DEVICES; d++)
+            if (g_dev[d].ctx.sticky)
+                out = g_dev[d].ctx.sticky;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return out;
+}
+
+/* The (after+1)-th call of `name` from now fails with `code`, `times` times in a row (-1:
+ * forever); name "" clears every fault. Returns 0, or -1 when the table is full. */
+EXPORT int cuemu_fail_call(const char *name, long long after, long long times, int code) {
+    pthread_mutex_lock(&g_mu);
+    int rc = 0;
+    if (!name || !*name) {
+        g_nfaults = 0;
+    } else if (g_nfaults == (int)(sizeof g_faults / sizeof g_faults[0])) {
+        rc = -1;
+    } else {
+        fault_t *f = &g_faults[g_nfaults++];
+        snprintf(f->name, sizeof f->name, "%s", name);
+        f->countdown = after;
+        f->times = times;
+        f->code = code;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* The message of the last violation ("" if none); clears the violation count when `clear`. */
+EXPORT const char *cuemu_last_violation(int clear) {
+    pthread_mutex_lock(&g_mu);
+    static char copy[sizeof g_violation];
+    memcpy(copy, g_violation, sizeof copy);
+    if (clear) {
+        st.violations = 0;
+        g_violation[0] = 0;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return copy;
+}
+
+/* Restore the configuration (from the environment), clear faults and sticky errors. */
+EXPORT void cuemu_reset(void) {
+    pthread_mutex_lock(&g_mu);
+    long long devices = cfg.devices;
+    set_defaults();
+    cfg.devices = devices; /* the device count is the caller's to change */
+    g_nfaults = 0;
+    pthread_mutex_unlock(&g_mu);
+}
+
+EXPORT const char *cuemu_identity(void) {
+    return "aioep CUDA driver emulator (a test double, not a GPU)";
+}
