@@ -6,6 +6,7 @@ assertions; they skip (with the reason) only where neither exists."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import threading
@@ -60,6 +61,7 @@ def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
     emulator.take_violation()
     with emulator.devices(getattr(request.function, "emulated_devices", 1)):
         emulator.set("watch_tid", threading.get_native_id())
+        emulator.set("host_wait_limit_ns", 20_000_000_000)  # a hung wait fails, never hangs
         yield DRIVER
         gc.collect()
     violation = emulator.take_violation()
@@ -611,3 +613,414 @@ async def test_unregister_refused_while_buffers_alive(
     gc.collect()
     env.unregister_library("cuda")
     assert env.ep_devices(ep_name="CUDAExecutionProvider") == []
+
+
+# -- what needed a GPU to verify: ordering under load, the pageable gate, GIL-free wake-ups ---
+_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+
+
+@contextlib.contextmanager
+def _held(stream: aioep.SyncStream) -> Iterator[Callable[[], None]]:
+    """Hold ``stream`` back on the device (``cuStreamWaitValue32`` on a device word) until the
+    returned ``release()`` is called (``cuMemsetD32``) or the block ends. Same on the real
+    driver and the emulator; the host never blocks."""
+    from aioep_cuda._driver import check, ctx_current, driver
+
+    impl = stream.impl
+    dev = impl.device
+    drv = driver()
+    with ctx_current(dev.ctx):
+        word = check(drv.cuMemAlloc(4), "cuMemAlloc")
+        check(drv.cuMemsetD32(word, 0, 1), "cuMemsetD32")
+        passed = check(drv.cuEventCreate(0), "cuEventCreate")
+        with impl.lock:
+            err = drv.cuStreamWaitValue32(impl.cu, word, 1, _GEQ)[0]
+            if err == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+                drv.cuMemFree(word)
+                pytest.skip("this driver has no stream memory operations")
+            check(err, "cuStreamWaitValue32")
+            check(drv.cuEventRecord(passed, impl.cu), "cuEventRecord")
+            impl.enqueued()
+            impl.enqueued()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            with ctx_current(dev.ctx):
+                check(drv.cuMemsetD32(word, 1, 1), "cuMemsetD32")
+
+    try:
+        yield release
+    finally:
+        release()
+        # Free the word once the stream is past the wait; if it never gets there (the test
+        # failed), leak it rather than hang in cuMemFree's synchronisation.
+        deadline = time.monotonic() + 10
+        while drv.cuEventQuery(passed)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        else:
+            with ctx_current(dev.ctx):
+                drv.cuMemFree(word)
+                drv.cuEventDestroy(passed)
+
+
+def _emulator_stat(key: str) -> int:
+    return DRIVER.emulator.get(key) if DRIVER.emulator is not None else 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cross_stream_ordering_under_load(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """A three-stage pipeline (upload, on-device copy, download) on three streams ordered only by
+    events, with double-buffered device memory (so write-after-read hazards need waits too),
+    while two more streams keep copies in flight: every round's data comes back intact."""
+    import anyio
+
+    if DRIVER.emulator is not None:
+        DRIVER.emulator.set("bandwidth", 2 << 30)  # copies take time: the stages overlap
+        DRIVER.emulator.set("latency_ns", 200_000)
+    rounds, n = 12, 1 << 16
+    rng = np.random.default_rng(1)
+    pinned = _mem(gpu, MemoryType.HOST_ACCESSIBLE)
+    ins = [env.empty((n,), "uint32", pinned) for _ in range(rounds)]
+    outs = [env.empty((n,), "uint32", pinned) for _ in range(rounds)]
+    expected = [rng.integers(0, 2**32, size=n, dtype=np.uint32) for _ in range(rounds)]
+    for t, e in zip(ins, expected):
+        t.numpy()[...] = e
+    a = [env.empty((n,), "uint32", _mem(gpu)) for _ in range(2)]
+    b = [env.empty((n,), "uint32", _mem(gpu)) for _ in range(2)]
+    load_host = np.ones(1 << 20, dtype=np.uint8)
+    load_bufs = [
+        [env.empty(load_host.shape, load_host.dtype, _mem(gpu)) for _ in range(2)] for _ in range(2)
+    ]
+    stop = anyio.Event()
+
+    async with (
+        env.create_sync_stream(gpu) as up,
+        env.create_sync_stream(gpu) as mid,
+        env.create_sync_stream(gpu) as down,
+        env.create_sync_stream(gpu) as busy1,
+        env.create_sync_stream(gpu) as busy2,
+    ):
+
+        async def load(stream: aioep.SyncStream, bufs: list[aioep.Tensor]) -> None:
+            while not stop.is_set():
+                env.copy_tensors([load_host], [bufs[0]], stream=stream)
+                await env.copy_tensors([bufs[0]], [bufs[1]], stream=stream)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load, busy1, load_bufs[0])
+            tg.start_soon(load, busy2, load_bufs[1])
+            read_a: list[aioep.Notification | None] = [None, None]
+            read_b: list[aioep.Notification | None] = [None, None]
+            last = None
+            for r in range(rounds):
+                k = r % 2
+                if read_a[k] is not None:
+                    up.wait(read_a[k])  # a[k] is read by mid two rounds ago: wait before writing
+                env.copy_tensors([ins[r]], [a[k]], stream=up)
+                mid.wait(up.record())
+                if read_b[k] is not None:
+                    mid.wait(read_b[k])
+                env.copy_tensors([a[k]], [b[k]], stream=mid)
+                read_a[k] = mid.record()
+                down.wait(read_a[k])
+                last = env.copy_tensors([b[k]], [outs[r]], stream=down)
+                read_b[k] = down.record()
+            assert last is not None
+            with anyio.fail_after(30):
+                await last
+            stop.set()
+    for r in range(rounds):
+        np.testing.assert_array_equal(outs[r].numpy(), expected[r], err_msg=f"round {r}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not EMULATED, reason="checks the emulator's own asynchrony")
+async def test_emulated_streams_really_run_concurrently(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """The control for the test above: without the waits, the emulator's streams race and data
+    comes back wrong, so the ordering test would catch missing waits."""
+    assert DRIVER.emulator is not None
+    DRIVER.emulator.set("bandwidth", 256 << 20)  # 4 MiB take 16 ms, 4 KiB 16 us
+    n = 1 << 20
+    src = env.empty((n,), "uint32", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    src.numpy()[...] = 7
+    out = env.empty((1024,), "uint32", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    out.numpy()[...] = 0
+    a = env.empty((n,), "uint32", _mem(gpu))
+    head = aioep.Tensor(a.buffer, (1024,), "uint32")
+    async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
+        await env.copy_tensors([out], [head], stream=s2)  # a[:1024] = 0
+        first = env.copy_tensors([src], [a], stream=s1)  # 16 ms on s1...
+        await env.copy_tensors([head], [out], stream=s2)  # ...while s2 reads a at once: no wait
+        await first
+    assert (out.numpy() == 0).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_pageable_copies_on_a_held_stream_never_block_the_loop(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """Pageable host memory on a stream goes through the gate: ``copy_tensors`` returns at once
+    even while the stream is held back on the device, the copies land in stream order once it
+    moves, and the event-loop thread never issues a (synchronous) pageable copy itself."""
+    import anyio
+
+    n = 1 << 18
+    data = np.arange(n, dtype=np.uint32)
+    upload = data * 3  # pageable
+    out = np.zeros_like(data)  # pageable
+    pinned = env.empty(data.shape, data.dtype, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned.numpy()[...] = data
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
+    back = np.zeros_like(data)
+    async with env.create_sync_stream(gpu) as stream:
+        with _held(stream) as release:
+            watched = _emulator_stat("watched_pageable"), _emulator_stat("watched_blocking")
+            t0 = time.perf_counter()
+            env.copy_tensors([pinned], [dev], stream=stream)
+            up = env.copy_tensors([upload], [dev2], stream=stream)
+            down = env.copy_tensors([dev], [out], stream=stream)
+            elapsed = time.perf_counter() - t0
+            assert elapsed < 0.5, f"copy_tensors blocked the loop for {elapsed:.3f} s"
+            assert (_emulator_stat("watched_pageable"), _emulator_stat("watched_blocking")) == (
+                watched
+            )
+            assert not down.done()
+            assert not up.done()
+            assert not out.any()  # nothing ran past the held point
+            release()
+            with anyio.fail_after(20):
+                await up
+                await down
+        np.testing.assert_array_equal(out, data)
+        await env.copy_tensors([dev2], [back], stream=stream)
+    np.testing.assert_array_equal(back, upload)
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_closing_a_stream_while_a_gate_release_is_pending(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """The backend stream is closed while its pageable copy waits for its gate: the copy still
+    runs and completes, and the gate word is not handed to another stream (which would reset it
+    under the closed stream's wait, or be released by the closed stream's late write) until the
+    closed stream is past it."""
+    import anyio
+
+    n = 1 << 16
+    data = np.arange(n, dtype=np.uint32)
+    out = np.zeros_like(data)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
+    stream = env.create_sync_stream(gpu)
+    impl = stream.impl
+    with _held(stream) as release:
+        up = env.copy_tensors([data], [dev], stream=stream)  # pageable: gated
+        down = env.copy_tensors([dev], [out], stream=stream)  # pageable: gated
+        slot = impl.gate_addr
+        assert slot is not None
+        impl.close()  # the backend object goes now; its work is still held on the device
+        async with env.create_sync_stream(gpu) as other:
+            await env.copy_tensors([data + 1], [dev2], stream=other)  # takes a gate word
+            assert other.impl.gate_addr is not None
+            assert other.impl.gate_addr != slot
+        release()
+        with anyio.fail_after(20):
+            await up
+            await down
+    np.testing.assert_array_equal(out, data)
+    assert await anyio.to_thread.run_sync(impl.gate_released.wait, 10)
+    assert slot in impl.device._gate_free
+    await stream.aclose()
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_wake_comes_from_the_driver_thread_without_the_gil(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """While this thread holds the GIL (blocked in a C call made through ``ctypes.PyDLL``), the
+    driver's callback thread runs the dispatcher's ``sem_post`` host function and then the
+    test's own: if either needed the GIL, the wait below would time out."""
+    import sys
+
+    from aioep_cuda._driver import ctx_current, launch_host_func
+    from aioep_cuda._wake import _Timespec
+
+    word = env.empty((1,), "uint32", _mem(gpu, MemoryType.HOST_ACCESSIBLE))  # mapped pinned
+    word.numpy()[0] = 0
+    data = env.empty((1 << 16,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    data.numpy()[...] = 1  # pinned: a pageable copy would need the (Python) dispatcher first
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    test_sem = Semaphore()
+    fired = threading.Event()
+    pylibc = ctypes.PyDLL(None)  # its calls keep the GIL
+    pylibc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    pylibc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    async with env.create_sync_stream(gpu) as stream:
+        impl = stream.impl
+        from aioep_cuda._driver import check, driver
+
+        drv = driver()
+        with impl.lock, ctx_current(impl.device.ctx):
+            err = drv.cuStreamWaitValue32(impl.cu, word.data_ptr, 1, _GEQ)[0]
+            if err == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+                pytest.skip("this driver has no stream memory operations")
+            check(err, "cuStreamWaitValue32")
+            impl.enqueued()
+        env.copy_tensors([data], [dev], stream=stream)
+        mark = stream.record()
+        assert mark.impl.add_done_callback(fired.set)  # arms: the dispatcher's sem_post
+        posts_before = impl.dispatcher.posts
+        with ctx_current(impl.device.ctx):
+            assert launch_host_func(stream.handle, Semaphore.post_address, test_sem.address) == 0
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)  # no hand-over of the GIL to another Python thread
+        try:
+            pylibc.memset(word.data_ptr, 1, 1)  # lets the stream go (the device polls the word)
+            deadline = time.time() + 10
+            ts = _Timespec(int(deadline), int((deadline % 1.0) * 1e9))
+            posted = pylibc.sem_timedwait(test_sem.address, ctypes.byref(ts))
+        finally:
+            sys.setswitchinterval(interval)
+        assert posted == 0, "the host functions did not run while this thread held the GIL"
+        await mark
+        assert await anyio_to_thread(fired.wait, 10)
+        assert impl.dispatcher.posts > posts_before
+        assert impl.hostfn_failures == 0
+
+
+async def anyio_to_thread(fn: Callable[..., bool], *args: Any) -> bool:
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """Memory registered with ``cuMemHostRegister`` (as CuPy or PyTorch pin it) is found by
+    ``cuPointerGetAttribute`` and copied like pinned memory: no gate, no pageable copy."""
+    from aioep_cuda._driver import check, ctx_current, driver
+
+    drv = driver()
+    page = 4096
+    raw = np.zeros(9 * page, dtype=np.uint8)
+    start = (-raw.ctypes.data) % page
+    region = raw[start : start + 8 * page].view(np.uint32)  # page-aligned, registered below
+    host, out = region[: region.size // 2], region[region.size // 2 :]
+    host[...] = np.arange(host.size, dtype=np.uint32)
+    async with env.create_sync_stream(gpu) as stream:
+        ctx = stream.impl.device.ctx
+        with ctx_current(ctx):
+            check(drv.cuMemHostRegister(region.ctypes.data, region.nbytes, 0), "cuMemHostRegister")
+        try:
+            dev = env.empty(host.shape, host.dtype, _mem(gpu), stream=stream)
+            pageable = _emulator_stat("pageable_copies")
+            await env.copy_tensors([host], [dev], stream=stream)
+            await env.copy_tensors([dev], [out], stream=stream)
+            assert stream.impl.gate_addr is None  # the gate was never needed
+            assert _emulator_stat("pageable_copies") == pageable
+            del dev
+        finally:
+            with ctx_current(ctx):
+                check(drv.cuMemHostUnregister(region.ctypes.data), "cuMemHostUnregister")
+    np.testing.assert_array_equal(out, host)
+
+
+# -- failure paths the emulator can inject (no GPU can be told to fail on cue) -----------------
+needs_emulator = pytest.mark.skipif(not EMULATED, reason="fault injection needs the emulator")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_failed_host_function_launch_falls_back_to_polling(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    assert DRIVER.emulator is not None
+    DRIVER.emulator.fail_call("cuLaunchHostFunc", times=-1)
+    data = np.arange(1 << 12, dtype=np.int32)
+    out = np.zeros_like(data)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([data], [dev], stream=stream)
+        await env.copy_tensors([dev], [out], stream=stream)
+        await stream
+        assert stream.impl.hostfn_failures >= 1
+    np.testing.assert_array_equal(out, data)
+    del dev
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_without_stream_memory_operations_pageable_copies_still_arrive(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    assert DRIVER.emulator is not None
+    DRIVER.emulator.set("stream_mem_ops", 0)
+    data = np.arange(1 << 14, dtype=np.int64)
+    out = np.zeros_like(data)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    waits = DRIVER.emulator.get("wait_values")
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([data], [dev], stream=stream)
+        await env.copy_tensors([dev], [out], stream=stream)
+    assert DRIVER.emulator.get("wait_values") == waits  # no gate: copied by the caller
+    np.testing.assert_array_equal(out, data)
+    del dev
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_a_device_fault_fails_the_copy_and_the_environment_still_closes(
+    gpu: aioep.EpDevice, env: aioep.Environment
+) -> None:
+    import anyio
+
+    assert DRIVER.emulator is not None
+    data = np.arange(1 << 12, dtype=np.int32)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([data], [dev], stream=stream)
+        DRIVER.emulator.set("lose_after_copies", DRIVER.emulator.get("copies"))
+        with anyio.fail_after(20), pytest.raises(aioep.DeviceError, match="ILLEGAL_ADDRESS"):
+            await env.copy_tensors([dev], [np.zeros_like(data)], stream=stream)
+    del dev
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_out_of_memory_from_the_stream_ordered_allocator(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    assert DRIVER.emulator is not None
+    DRIVER.emulator.fail_call("cuMemAllocAsync", code=2)  # CUDA_ERROR_OUT_OF_MEMORY, once
+    async with env.create_sync_stream(gpu) as stream:
+        with pytest.raises(
+            aioep.DeviceError,
+            match=r"cuMemAllocAsync of 4096 bytes failed .*"
+            r"OUT_OF_MEMORY; \d+ bytes free of \d+",
+        ):
+            env.empty((1024,), "float32", _mem(gpu), stream=stream)
+        t = env.empty((1024,), "float32", _mem(gpu), stream=stream)  # the next one works
+        assert t.data_ptr
+        del t

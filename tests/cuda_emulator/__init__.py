@@ -145,6 +145,7 @@ class Emulator:
         lib.cuemu_reset.argtypes = []
         lib.cuemu_reset.restype = None
         lib.cuemu_identity.restype = ctypes.c_char_p
+        lib.cuemu_reset_contexts.restype = ctypes.c_int
 
     def set(self, key: str, value: int) -> None:
         """Set a configuration value (``devices``, ``memory_limit``, ``bandwidth`` in bytes/s,
@@ -183,19 +184,35 @@ class Emulator:
         """Restore the configuration (the device count stays) and clear faults."""
         self.lib.cuemu_reset()
 
+    def reset_contexts(self) -> int:
+        """Destroy every primary context, retained or not (what a leaked environment left);
+        returns how many were still retained."""
+        return int(self.lib.cuemu_reset_contexts())
+
     @contextlib.contextmanager
     def devices(self, count: int = 1) -> Iterator[Emulator]:
-        """Offer ``count`` devices inside the block, none after it (configuration reset)."""
+        """Offer ``count`` devices inside the block, none after it (configuration reset).
+
+        Raises:
+            RuntimeError: at the end, if a primary context was still retained (something
+                did not close); the contexts are destroyed anyway, so the next test starts
+                clean.
+        """
         self.set("devices", count)
         try:
             yield self
         finally:
             self.reset()
             self.clear_faults()
-            try:
-                self.set("devices", 0)
-            except RuntimeError:  # a context is still retained: keep the devices visible
-                pass
+            leaked = self.get("retained_contexts")
+            if leaked:
+                self.reset_contexts()
+            self.set("devices", 0)
+        if leaked:
+            raise RuntimeError(
+                f"{leaked} CUDA context(s) were still retained after the test: an environment "
+                "or factory was not closed"
+            )
 
 
 _loaded: Emulator | None = None

@@ -108,6 +108,7 @@ static struct {
     long long watch_tid; /* the thread whose blocking calls are counted (e.g. an event loop) */
     long long lose_after_copies; /* -1: never */
     long long unmap_pinned_on_reset;
+    long long host_wait_limit_ns; /* a host wait longer than this fails (a test hangs no more) */
 } cfg;
 
 static struct {
@@ -145,6 +146,7 @@ static void set_defaults(void) {
     cfg.watch_tid = 0;
     cfg.lose_after_copies = -1;
     cfg.unmap_pinned_on_reset = 1;
+    cfg.host_wait_limit_ns = env_ll("CUEMU_HOST_WAIT_LIMIT_S", 60) * 1000000000LL;
 }
 
 __attribute__((constructor)) static void emulator_init(void) {
@@ -566,26 +568,42 @@ static void enqueue(stream_t *s, op_t *o) {
 
 static int stream_idle(stream_t *s, uint64_t upto) { return s->completed >= upto; }
 
-/* Block the calling thread until `s` has completed work item `upto` (lock held). */
-static void wait_stream(stream_t *s, uint64_t upto) {
-    uint64_t t0 = 0;
-    int watched = cfg.watch_tid && my_tid() == cfg.watch_tid;
-    if (watched && !stream_idle(s, upto))
-        t0 = now_ns();
-    while (!stream_idle(s, upto))
-        pthread_cond_wait(&g_progress, &g_mu);
-    if (t0) {
+static void host_wait_expired(const char *what) {
+    violation("a host thread waited more than %lld s in %s for work that never finished (a "
+              "stream held forever?); the call failed instead of hanging",
+              cfg.host_wait_limit_ns / 1000000000LL, what);
+}
+
+/* Block the calling thread until `s` has completed work item `upto` (lock held); 0 if the
+ * wait gave up after the host wait limit. */
+static int wait_stream(stream_t *s, uint64_t upto) {
+    if (stream_idle(s, upto))
+        return 1;
+    uint64_t t0 = now_ns();
+    int watched = cfg.watch_tid && my_tid() == cfg.watch_tid, ok = 1;
+    while (!stream_idle(s, upto)) {
+        if (cfg.host_wait_limit_ns > 0 && now_ns() - t0 > (uint64_t)cfg.host_wait_limit_ns) {
+            host_wait_expired("a stream or event synchronisation");
+            ok = 0;
+            break;
+        }
+        cond_wait_ns(&g_progress, 50000000ULL);
+    }
+    if (watched) {
         st.watched_blocking++;
         st.watched_blocking_ns += (long long)(now_ns() - t0);
     }
+    return ok;
 }
 
 /* Every stream of a context reaches the work enqueued so far (lock held); returns 0 if the
- * wait gave up after `limit_ns` (0: no limit). */
+ * wait gave up after `limit_ns` (0: the host wait limit). */
 static int wait_ctx(ctx_t *c, uint64_t limit_ns) {
     int n = 0;
     for (stream_t *s = c->streams; s; s = s->next)
         n++;
+    if (!limit_ns && cfg.host_wait_limit_ns > 0)
+        limit_ns = (uint64_t)cfg.host_wait_limit_ns;
     stream_t **ss = malloc((size_t)(n ? n : 1) * sizeof *ss);
     uint64_t *upto = malloc((size_t)(n ? n : 1) * sizeof *upto);
     int i = 0;
@@ -1171,8 +1189,9 @@ EXPORT CUresult cuCtxSynchronize(void) {
     ctx_t *c;
     CUresult e = need_ctx(&c);
     if (!e) {
-        wait_ctx(c, 0);
-        e = c->sticky;
+        e = wait_ctx(c, 0) ? c->sticky : CUDA_ERROR_UNKNOWN;
+        if (e == CUDA_ERROR_UNKNOWN)
+            host_wait_expired("cuCtxSynchronize");
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1235,10 +1254,8 @@ EXPORT CUresult cuStreamSynchronize(CUstream h) {
     pthread_mutex_lock(&g_mu);
     stream_t *s;
     CUresult e = get_stream(h, &s);
-    if (!e) {
-        wait_stream(s, s->enqueued);
-        e = s->ctx->sticky;
-    }
+    if (!e)
+        e = wait_stream(s, s->enqueued) ? s->ctx->sticky : CUDA_ERROR_UNKNOWN;
     pthread_mutex_unlock(&g_mu);
     return e;
 }
@@ -1447,9 +1464,8 @@ EXPORT CUresult cuEventSynchronize(CUevent h) {
     pthread_mutex_lock(&g_mu);
     event_t *x;
     CUresult e = get_event(h, &x);
-    if (!e && x->stream) {
-        wait_stream(x->stream, x->seq);
-    }
+    if (!e && x->stream && !wait_stream(x->stream, x->seq))
+        e = CUDA_ERROR_UNKNOWN;
     if (!e && x->ctx->sticky)
         e = x->ctx->sticky;
     pthread_mutex_unlock(&g_mu);
@@ -1556,7 +1572,8 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     }
     if (!e) {
         /* cuMemFree synchronizes: work already enqueued that uses the memory finishes */
-        wait_ctx(&g_dev[a->device].ctx, 0);
+        if (!wait_ctx(&g_dev[a->device].ctx, 0))
+            host_wait_expired("cuMemFree");
         a = find_alloc(p, 0);
         if (a && a->kind == A_DEVICE && a->addr == p)
             free_alloc(a);
@@ -1655,7 +1672,8 @@ EXPORT CUresult cuMemFreeHost(void *p) {
     if (!a || a->kind != A_PINNED || a->addr != (uint64_t)(uintptr_t)p) {
         e = CUDA_ERROR_INVALID_VALUE;
     } else {
-        wait_ctx(a->ctx, 0); /* synchronizes, like the driver */
+        if (!wait_ctx(a->ctx, 0)) /* synchronizes, like the driver */
+            host_wait_expired("cuMemFreeHost");
         a = find_alloc((uint64_t)(uintptr_t)p, 0);
         if (a && a->kind == A_PINNED)
             free_alloc(a);
@@ -1696,7 +1714,8 @@ EXPORT CUresult cuMemHostUnregister(void *p) {
     if (!a || a->kind != A_REGISTERED || a->addr != (uint64_t)(uintptr_t)p) {
         e = CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
     } else {
-        wait_ctx(a->ctx, 0);
+        if (!wait_ctx(a->ctx, 0))
+            host_wait_expired("cuMemHostUnregister");
         a = find_alloc((uint64_t)(uintptr_t)p, 0);
         if (a && a->kind == A_REGISTERED)
             free_alloc(a);
@@ -1840,8 +1859,8 @@ static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n,
     }
     enqueue(s, o);
     if (sync || d.kind == R_PAGEABLE) {
-        uint64_t seq = o->seq;
-        wait_stream(s, seq);
+        if (!wait_stream(s, o->seq))
+            return CUDA_ERROR_UNKNOWN;
         if (s->ctx->sticky)
             return s->ctx->sticky;
     }
@@ -1937,7 +1956,8 @@ static CUresult memset_on(stream_t *s, CUdeviceptr dst, unsigned v, size_t count
     o->n = count;
     enqueue(s, o);
     if (sync) {
-        wait_stream(s, o->seq);
+        if (!wait_stream(s, o->seq))
+            return CUDA_ERROR_UNKNOWN;
         if (s->ctx->sticky)
             return s->ctx->sticky;
     }
@@ -2238,6 +2258,7 @@ static long long *cfg_field(const char *key) {
     if (!strcmp(key, "watch_tid")) return &cfg.watch_tid;
     if (!strcmp(key, "lose_after_copies")) return &cfg.lose_after_copies;
     if (!strcmp(key, "unmap_pinned_on_reset")) return &cfg.unmap_pinned_on_reset;
+    if (!strcmp(key, "host_wait_limit_ns")) return &cfg.host_wait_limit_ns;
     return NULL;
 }
 
@@ -2332,6 +2353,25 @@ EXPORT const char *cuemu_last_violation(int clear) {
     }
     pthread_mutex_unlock(&g_mu);
     return copy;
+}
+
+/* Destroy every primary context whatever its reference count (cuDevicePrimaryCtxReset for
+ * all devices): what a test that leaked an environment left behind does not reach the next
+ * test. Returns how many contexts were still retained. */
+EXPORT int cuemu_reset_contexts(void) {
+    pthread_mutex_lock(&g_mu);
+    int n = 0;
+    for (int d = 0; d < MAX_DEVICES; d++) {
+        ctx_t *c = &g_dev[d].ctx;
+        if (c->refs > 0 || c->active) {
+            n += c->refs > 0;
+            c->refs = 0;
+            if (c->active)
+                ctx_reset(c);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return n;
 }
 
 /* Restore the configuration (from the environment), clear faults and sticky errors. */

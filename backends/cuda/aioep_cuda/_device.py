@@ -178,19 +178,24 @@ class CudaDevice:
         return pair
 
     def gate_slot(self) -> int | None:
-        """A device address of a 4-byte gate word, or None when all are taken."""
+        """A device address of a 4-byte gate word, or None when all are taken.
+
+        The words are not cleared here: a synchronous ``cuMemsetD32`` runs on the legacy
+        default stream, which waits for every blocking stream of the context (another
+        library's work), on the caller's thread, the event loop. Each stream clears its
+        word in its own order before its first wait (``cuMemsetD32Async``).
+        """
         drv = driver()
         with self._lock:
             if not self._gate_base:
                 with ctx_current(self.ctx):
                     base = check(drv.cuMemAlloc(4 * _GATE_SLOTS), "cuMemAlloc(gate words)")
-                    check(drv.cuMemsetD32(base, 0, _GATE_SLOTS), "cuMemsetD32")
                 self._gate_base = int(base)
                 self._gate_free = [self._gate_base + 4 * i for i in range(_GATE_SLOTS)]
             return self._gate_free.pop() if self._gate_free else None
 
     def release_gate_slot(self, addr: int) -> None:
-        """Give a gate word back (its stream closed)."""
+        """Give a gate word back (its stream closed and is past every wait on it)."""
         with self._lock:
             self._gate_free.append(addr)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aioep import DeviceError, NotImplementedByEp
+from aioep import ClosedError, DeviceError, NotImplementedByEp
 from aioep.abc import NotificationImpl, StreamImpl, ThreadStream
 
 from ._driver import ctx_current, driver, error_name, launch_host_func
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaNotification", "CudaStream"]
 
+_keys = itertools.count(1)  # dispatcher FIFO keys: never reused, unlike CUstream values
+
 
 class CudaStream(StreamImpl):
     """A non-blocking ``CUstream`` on one device; ``handle`` is its integer value.
@@ -26,6 +29,11 @@ class CudaStream(StreamImpl):
     ``seq`` counts everything enqueued (copies, event records, waits): a
     notification whose host function would land after later work is polled
     instead, so it is never woken late.
+
+    :meth:`close` may come while work is still queued (the driver runs it after
+    ``cuStreamDestroy``): waiters armed on the stream are polled to the end, and
+    the stream's pageable-copy gate word goes back to the device only once the
+    stream is past every wait on it (:attr:`gate_released` is set then).
     """
 
     def __init__(
@@ -37,6 +45,7 @@ class CudaStream(StreamImpl):
         self.owner = owner
         self.cu = device.new_stream()
         self._handle = int(self.cu)
+        self.key = next(_keys)
         self.lock = threading.RLock()
         self.seq = 0
         self.closed = False
@@ -46,6 +55,8 @@ class CudaStream(StreamImpl):
         self.gate_value = 0
         self.gate_mark = 0
         self.gate_errors: dict[int, BaseException] = {}
+        self.gate_released = threading.Event()
+        """Set once the gate word (if any) is back with the device after :meth:`close`."""
 
     @property
     def handle(self) -> int:
@@ -71,14 +82,39 @@ class CudaStream(StreamImpl):
         with self.lock:
             if self.closed:
                 return
+            end: CudaNotification | None = None
+            gate = self.gate_addr
+            if gate is not None:
+                # The last gate value may not be written yet (the pageable-copy thread
+                # writes it once the copy is done), and the stream may still wait for it.
+                # Handing the word to another stream now would let its reset strand this
+                # stream's wait, or this stream's late write open the other's gate early.
+                end = CudaNotification(self)
+                try:
+                    end.activate()
+                except DeviceError:  # a broken context: nothing will wait on the word again
+                    end = None
             self.closed = True
-        self.dispatcher.forget(self._handle)
-        drv = driver()
-        with ctx_current(self.device.ctx):
-            drv.cuStreamDestroy(self.cu)
-        if self.gate_addr is not None:
-            self.device.release_gate_slot(self.gate_addr)
+            drv = driver()
+            with ctx_current(self.device.ctx):
+                drv.cuStreamDestroy(self.cu)
+        self.dispatcher.retire(self.key)
+        if gate is None:
+            self.gate_released.set()
+            return
+
+        def release() -> None:
             self.gate_addr = None
+            self.device.release_gate_slot(gate)
+            self.gate_released.set()
+
+        if end is None:
+            release()
+            return
+        try:
+            end.add_done_callback(release)
+        except ClosedError:  # the factory is closing: its devices go too
+            release()
 
     def __repr__(self) -> str:
         return f"<CudaStream {self._handle:#x} on {self.device!r}>"
@@ -248,7 +284,7 @@ class CudaNotification(NotificationImpl):
         if stream.wake == "hostfn":
             with stream.lock:
                 if not stream.closed and stream.seq == self._seq:
-                    dispatcher.watch_ordered(stream.handle, check)
+                    dispatcher.watch_ordered(stream.key, check)
                     with ctx_current(stream.device.ctx):
                         err = launch_host_func(
                             stream.handle, dispatcher.post_address, dispatcher.post_argument

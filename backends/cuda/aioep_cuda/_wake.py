@@ -173,10 +173,21 @@ class Dispatcher:
             self._ensure_thread()
         self.semaphore.post()  # recompute the timeout now
 
-    def forget(self, key: Hashable) -> None:
-        """Drop a stream's FIFO (the stream closed)."""
+    def retire(self, key: Hashable) -> None:
+        """Stop keeping ``key``'s FIFO (its stream closed); the waiters still in it are polled.
+
+        A destroyed stream's work still runs on the device, so its waiters must not be
+        dropped: one of them may be what opens a pageable copy's gate, and a copy future
+        waits for another. Keys are never reused (a driver reuses handle values, so a
+        new stream must not inherit a closed one's FIFO).
+        """
         with self._lock:
-            self._ordered.pop(key, None)
+            queue = self._ordered.pop(key, None)
+            if not queue or self._closed:
+                return
+            self._polled.extend(queue)
+            self._reset_delay = True
+        self.semaphore.post()  # recompute the timeout now
 
     def pending(self) -> int:
         """Waiters not finished yet (diagnostics)."""
