@@ -3,6 +3,10 @@
 ``devices`` opens an environment the way an application would (every installed
 backend, or only ``--backend`` ones) and prints its EP devices, their memory
 infos, the shared allocators and the backends that could not start.
+
+Installed distributions add subcommands through the entry point group
+``aioep.commands``: each names an ``add_parser(subparsers)`` callable (aioep-cuda
+adds ``check-gpu`` this way; the core never imports a backend).
 """
 
 from __future__ import annotations
@@ -173,7 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         _bench.add_parser(sub)
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub: Any) -> None:
+    """Subcommands from the entry point group ``aioep.commands`` (a broken one is skipped)."""
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group="aioep.commands"), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # a broken plugin must not break the other commands
+            print(f"aioep: command {ep.name!r} ({ep.value}) is unavailable: {exc}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,11 +8,16 @@
 3. Event-loop max lag while 8 GiB of copies are in flight. Target: <= 2 ms.
 4. 1000 concurrent awaiters on 8 streams: thread count constant.
 
-Writes benchmarks/results/cuda_copy.json. Run: ``python benchmarks/cuda_copy.py``.
+Writes benchmarks/results/cuda_copy.json (or ``--json PATH``). Run:
+``python benchmarks/cuda_copy.py [--quick] [--json PATH]``; ``--quick`` uses small sizes
+(16 MiB copies, 64 MiB in flight, 50 latency samples) for a smoke test, e.g. on the
+emulated driver that ``python -m aioep check-gpu --emulator`` uses; its figures are not the
+targets' figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -21,14 +26,28 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
 RESULTS = Path(__file__).parent / "results" / "cuda_copy.json"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big the measurements are."""
+
+    copy_bytes: int = GiB  # one pinned copy in the bandwidth figure
+    flight_chunk: int = GiB // 2  # 16 of these are in flight in the loop-lag figure
+    latency_samples: int = 300
+
+
+FULL = Sizes()
+QUICK = Sizes(copy_bytes=16 * MiB, flight_chunk=4 * MiB, latency_samples=50)
 
 
 def _gpu_available() -> bool:
@@ -100,13 +119,14 @@ def _baseline_bandwidth(
         return out
 
 
-async def _bandwidth(env: Any, gpu: Any, results: dict[str, Any]) -> None:
+async def _bandwidth(env: Any, gpu: Any, results: dict[str, Any], sizes: Sizes) -> None:
     import aioep
 
+    nbytes = sizes.copy_bytes
     pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
-    host = env.empty((GiB,), "uint8", pinned)
+    host = env.empty((nbytes,), "uint8", pinned)
     host.numpy()[:] = 7
-    dev = env.empty((GiB,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT))
+    dev = env.empty((nbytes,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT))
     reps = 5
     async with env.create_sync_stream(gpu) as stream:
         await env.copy_tensors([host], [dev], stream=stream)  # warm-up
@@ -116,11 +136,12 @@ async def _bandwidth(env: Any, gpu: Any, results: dict[str, Any]) -> None:
             for _ in range(reps):
                 env.copy_tensors([src], [dst], stream=stream)
             await stream
-            return GiB * reps / (time.perf_counter() - t0) / 1e9
+            return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
         h2d, d2h = await run(host, dev), await run(dev, host)
-    name, base_h2d, base_d2h = _baseline_bandwidth(host.data_ptr, dev.data_ptr, GiB, reps)
+    name, base_h2d, base_d2h = _baseline_bandwidth(host.data_ptr, dev.data_ptr, nbytes, reps)
     results["bandwidth"] = {
+        "bytes": nbytes,
         "baseline": name,
         "h2d_gbps": h2d,
         "d2h_gbps": d2h,
@@ -210,13 +231,14 @@ def _numba_latency(n: int = 300) -> float | None:
     return asyncio.run(main())
 
 
-async def _loop_lag(env: Any, gpu: Any, results: dict[str, Any]) -> None:
+async def _loop_lag(env: Any, gpu: Any, results: dict[str, Any], sizes: Sizes) -> None:
     import aioep
 
+    chunk = sizes.flight_chunk
     pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
-    host = env.empty((GiB,), "uint8", pinned)
+    host = env.empty((2 * chunk,), "uint8", pinned)
     devs = [
-        env.empty((GiB // 2,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT)) for _ in range(2)
+        env.empty((chunk,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT)) for _ in range(2)
     ]
     streams = [env.create_sync_stream(gpu) for _ in range(4)]
     lag = 0.0
@@ -233,8 +255,8 @@ async def _loop_lag(env: Any, gpu: Any, results: dict[str, Any]) -> None:
     await asyncio.sleep(0.01)
     t0 = time.perf_counter()
     futures = []
-    for i in range(16):  # 16 x 512 MiB = 8 GiB
-        src = aioep.Tensor(host.buffer, (GiB // 2,), "uint8", byte_offset=(i % 2) * (GiB // 2))
+    for i in range(16):  # 16 x 512 MiB = 8 GiB (full sizes)
+        src = aioep.Tensor(host.buffer, (chunk,), "uint8", byte_offset=(i % 2) * chunk)
         futures.append(env.copy_tensors([src], [devs[i % 2]], stream=streams[i % 4]))
     await asyncio.gather(*futures)
     elapsed = time.perf_counter() - t0
@@ -243,7 +265,7 @@ async def _loop_lag(env: Any, gpu: Any, results: dict[str, Any]) -> None:
     for s in streams:
         await s.aclose()
     results["loop_lag"] = {
-        "bytes": 8 * GiB,
+        "bytes": 16 * chunk,
         "seconds": elapsed,
         "max_lag_ms": lag * 1e3,
         "target": "<= 2 ms",
@@ -282,39 +304,45 @@ async def _awaiters(env: Any, gpu: Any, results: dict[str, Any]) -> None:
         await s.aclose()
 
 
-async def _main() -> dict[str, Any]:
+async def _main(sizes: Sizes) -> dict[str, Any]:
     import aioep
 
     results: dict[str, Any] = {}
     async with aioep.Environment(backends=["cuda"]) as env:
         gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
         results["device"] = dict(gpu.hardware.metadata)
-        await _bandwidth(env, gpu, results)
-        results["latency_us"] = {"aioep_hostfn": await _latency(env, gpu)}
-        await _loop_lag(env, gpu, results)
+        await _bandwidth(env, gpu, results, sizes)
+        results["latency_us"] = {"aioep_hostfn": await _latency(env, gpu, sizes.latency_samples)}
+        await _loop_lag(env, gpu, results, sizes)
         await _awaiters(env, gpu, results)
     async with aioep.Environment(
         backends=["cuda"], backend_options={"cuda": {"wake": "poll"}}
     ) as env:
         gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
-        results["latency_us"]["aioep_poll"] = await _latency(env, gpu)
+        results["latency_us"]["aioep_poll"] = await _latency(env, gpu, sizes.latency_samples)
     return results
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"output (default {RESULTS})")
+    args = parser.parse_args(argv)
     if not _gpu_available():
         print("skipped: no GPU")
         return 0
-    results = asyncio.run(_main())
+    sizes = QUICK if args.quick else FULL
+    results = asyncio.run(_main(sizes))
+    results["sizes"] = "quick" if args.quick else "full"
     lat = results["latency_us"]
-    lat["to_thread_event_sync"] = _to_thread_latency()
-    lat["numba_async_done"] = _numba_latency()
+    lat["to_thread_event_sync"] = _to_thread_latency(sizes.latency_samples)
+    lat["numba_async_done"] = _numba_latency(sizes.latency_samples)
     lat["ratio_vs_to_thread"] = lat["aioep_hostfn"] / lat["to_thread_event_sync"]
     if lat["numba_async_done"]:
         lat["ratio_vs_numba"] = lat["aioep_hostfn"] / lat["numba_async_done"]
     lat["targets"] = "<= 0.5x to_thread, <= 1.0x numba"
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 
