@@ -1024,3 +1024,65 @@ async def test_out_of_memory_from_the_stream_ordered_allocator(
         t = env.empty((1024,), "float32", _mem(gpu), stream=stream)  # the next one works
         assert t.data_ptr
         del t
+
+
+# -- frees that synchronise the device never run where work waits on them ----------------------
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind", ["pinned", "sync-device"])
+async def test_dropping_a_buffer_while_work_is_held_does_not_wait_for_the_device(
+    kind: str, cuda_driver: Driver
+) -> None:
+    """``cuMemFreeHost`` and ``cuMemFree`` synchronise the device. Dropping a buffer on the event
+    loop while a stream is held back must not run them there: the loop would stall for as long
+    as the device is busy (here: forever, since only the loop releases the stream)."""
+    import anyio
+
+    async with aioep.Environment(
+        backends=["cuda"], backend_options={"cuda": {"allocator": "sync"}}
+    ) as env:
+        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+        info = _mem(gpu, MemoryType.HOST_ACCESSIBLE if kind == "pinned" else MemoryType.DEFAULT)
+        async with env.create_sync_stream(gpu) as stream:
+            with _held(stream) as release:
+                doomed = env.empty((1 << 16,), "uint8", info)
+                t0 = time.perf_counter()
+                del doomed
+                gc.collect()
+                elapsed = time.perf_counter() - t0
+                release()
+                assert elapsed < 0.5, f"dropping the buffer blocked the loop for {elapsed:.2f} s"
+            with anyio.fail_after(20):
+                await stream
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_a_copy_completing_on_the_dispatcher_frees_nothing_there(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """A fire-and-forget copy from a pinned temporary: its completion (on the dispatcher thread)
+    drops the last reference to the pinned buffer. Freeing it there would make the dispatcher
+    wait for the whole device, including a stream whose pageable copy needs the dispatcher to
+    move on: a deadlock."""
+    import anyio
+
+    n = 1 << 14
+    data = np.arange(n, dtype=np.uint32)  # pageable
+    dev1 = env.empty(data.shape, data.dtype, _mem(gpu))
+    dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
+    out = np.zeros_like(data)
+    async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
+        with _held(s1) as release:
+            gated = env.copy_tensors([data], [dev1], stream=s1)  # needs the dispatcher later
+            tmp = env.empty(data.shape, data.dtype, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+            tmp.numpy()[...] = data
+            upload = env.copy_tensors([tmp], [dev2], stream=s2)
+            del tmp  # the future holds the last reference now
+            with anyio.fail_after(10):
+                await upload
+            release()
+            with anyio.fail_after(10):
+                await gated
+        await env.copy_tensors([dev1], [out], stream=s1)
+    np.testing.assert_array_equal(out, data)

@@ -87,11 +87,12 @@ class CudaDeviceAllocator(Allocator):
         drv = driver()
         with self._live_lock:
             self._live.pop(ptr, None)
+        if self.mode == "sync":
+            # cuMemFree synchronises the device: never on this thread (see _free.py).
+            self.device.free_later(lambda: _free_device(self.device, ptr))
+            return
         try:
             with ctx_current(self.device.ctx):
-                if self.mode == "sync":
-                    drv.cuMemFree(ptr)
-                    return
                 own = self._own_stream(stream)
                 if own is not None:
                     with own.lock:
@@ -108,23 +109,35 @@ class CudaDeviceAllocator(Allocator):
         return f"<CudaDeviceAllocator {self.mode} device={self.device.ordinal} live={self.live_buffers}>"
 
 
+def _free_device(device: CudaDevice, ptr: int) -> None:
+    with ctx_current(device.ctx):
+        driver().cuMemFree(ptr)
+
+
+def _free_host(device: CudaDevice, ptr: int) -> None:
+    with ctx_current(device.ctx):
+        driver().cuMemFreeHost(ptr)
+
+
 class _PinnedBlock:
     """Owns one ``cuMemHostAlloc`` block and frees it when the last reference goes.
 
     The buffer and every numpy view of it hold the block, so an explicit
-    ``buffer.free()`` never unmaps memory a view can still read.
+    ``buffer.free()`` never unmaps memory a view can still read. ``cuMemFreeHost``
+    synchronises the device, so it runs on the factory's free thread, not on the
+    thread that drops the last reference (the event loop, the dispatcher).
     """
 
-    __slots__ = ("ctx", "ptr")
+    __slots__ = ("device", "ptr")
 
-    def __init__(self, ptr: int, ctx: Any) -> None:
+    def __init__(self, ptr: int, device: CudaDevice) -> None:
         self.ptr = ptr
-        self.ctx = ctx
+        self.device = device
 
     def __del__(self) -> None:
         try:
-            with ctx_current(self.ctx):
-                driver().cuMemFreeHost(self.ptr)
+            device, ptr = self.device, self.ptr
+            device.free_later(lambda: _free_host(device, ptr))
         except Exception:  # a finalizer: never raise
             pass
 
@@ -149,7 +162,7 @@ class CudaPinnedAllocator(Allocator):
                 f"{nbytes} bytes failed with {error_name(err)}"
             )
         with self._blocks_lock:
-            self._blocks[int(ptr)] = _PinnedBlock(int(ptr), self.device.ctx)
+            self._blocks[int(ptr)] = _PinnedBlock(int(ptr), self.device)
         return int(ptr)
 
     def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:

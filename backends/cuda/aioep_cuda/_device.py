@@ -8,6 +8,7 @@ from typing import Any
 from aioep import DeviceError, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 
 from ._driver import check, ctx_current, driver
+from ._free import Freer
 
 __all__ = ["NVIDIA_VENDOR_ID", "CudaDevice", "EventPool"]
 
@@ -120,6 +121,8 @@ class CudaDevice:
         self._gate_free: list[int] = []
         self._local = threading.local()
         self._copy_streams: list[tuple[Any, Any]] = []
+        self.freer: Freer | None = None
+        """Where frees that synchronise the device run (the factory's free thread)."""
 
     @property
     def hardware(self) -> HardwareDevice:
@@ -198,6 +201,15 @@ class CudaDevice:
         """Give a gate word back (its stream closed and is past every wait on it)."""
         with self._lock:
             self._gate_free.append(addr)
+
+    def free_later(self, job: Any) -> None:
+        """Run ``job`` (``cuMemFree`` / ``cuMemFreeHost``) on the free thread, or inline
+        when there is none (a device used on its own, or after the factory closed)."""
+        freer = self.freer
+        if freer is None:
+            job()
+        else:
+            freer.submit(job)
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes from ``cuMemGetInfo``; (-1, total) if the query fails."""

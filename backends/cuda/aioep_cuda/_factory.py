@@ -28,6 +28,7 @@ from aioep.abc import (
 from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._driver import check, driver, load_driver
+from ._free import Freer
 from ._stream import CudaStream
 from ._transfer import CudaDataTransfer
 from ._wake import Dispatcher
@@ -99,6 +100,7 @@ class CudaFactory(EpFactory):
         self.options = CudaOptions.from_options(options)
         self.devices: dict[int, CudaDevice] = {}
         self.dispatcher: Dispatcher | None = None
+        self.freer = Freer()
         self._closed = False
         try:
             drv = load_driver()
@@ -118,6 +120,8 @@ class CudaFactory(EpFactory):
         if not self.devices:
             self.unavailable_reason = "no usable CUDA device: " + "; ".join(problems)
             return
+        for dev in self.devices.values():
+            dev.freer = self.freer
         self._configure_pools()
         self.dispatcher = Dispatcher()
         first = next(iter(self.devices.values()))
@@ -218,5 +222,6 @@ class CudaFactory(EpFactory):
         self._closed = True
         if self.dispatcher is not None:
             self.dispatcher.close()
+        self.freer.close()  # queued frees run while the contexts still exist
         for dev in self.devices.values():
             dev.close()
