@@ -1086,3 +1086,62 @@ async def test_a_copy_completing_on_the_dispatcher_frees_nothing_there(
                 await gated
         await env.copy_tensors([dev1], [out], stream=s1)
     np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_the_arena_over_cuda_memory_keeps_stream_order(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """The stream-aware arena over the CUDA allocator: a chunk freed on a stream that is still
+    held back is not handed to another stream, and shrinking keeps the region it lives in, so
+    the held stream's late copy cannot land in the other stream's buffer."""
+    import anyio
+
+    arena = env.create_shared_allocator(gpu, MemoryType.DEFAULT, aioep.AllocatorType.ARENA)
+    n = 1 << 16
+    first = np.full(n, 1, dtype=np.uint32)
+    second = np.full(n, 2, dtype=np.uint32)
+    out = np.zeros_like(second)
+    async with env.create_sync_stream(gpu) as a, env.create_sync_stream(gpu) as b:
+        with _held(a) as release:
+            x = arena.alloc(first.nbytes, stream=a)
+            xt = aioep.Tensor(x, (n,), "uint32")
+            pending = env.copy_tensors([first], [xt], stream=a)  # lands after the release
+            del xt, x  # freed "on a" while a's copy is still queued
+            y = aioep.Tensor(arena.alloc(second.nbytes, stream=b), (n,), "uint32")
+            await env.copy_tensors([second], [y], stream=b)
+            arena.shrink()  # must keep the region a may still write
+            release()
+            with anyio.fail_after(20):
+                await pending
+            await env.copy_tensors([y], [out], stream=b)
+        np.testing.assert_array_equal(out, second)
+        del y
+    env.release_shared_allocator(gpu, MemoryType.DEFAULT)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_a_stream_with_a_gate_closes_on_a_broken_context(
+    gpu: aioep.EpDevice, env: aioep.Environment
+) -> None:
+    """Closing never raises, even when the context's sticky error makes every call fail (no
+    event can be created to mark the gate word's last use: the word is simply given back)."""
+    assert DRIVER.emulator is not None
+    data = np.arange(1 << 12, dtype=np.int32)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    stream = env.create_sync_stream(gpu)
+    await env.copy_tensors([data], [dev], stream=stream)  # pageable: the stream has a gate
+    impl = stream.impl
+    assert impl.gate_addr is not None
+    DRIVER.emulator.set("lose_after_copies", DRIVER.emulator.get("copies"))
+    with pytest.raises(aioep.DeviceError):
+        await env.copy_tensors([dev], [np.zeros_like(data)], stream=stream)
+    DRIVER.emulator.fail_call("cuEventCreate", times=-1, code=700)  # and the event pool is empty
+    impl.device.events.close()
+    impl.close()
+    assert impl.closed
+    assert impl.gate_released.is_set()
+    await stream.aclose()

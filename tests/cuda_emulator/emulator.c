@@ -388,6 +388,8 @@ typedef struct alloc {
     unsigned flags;
     int device;
     int from_pool;
+    struct stream *alloc_stream; /* cuMemAllocAsync: usable once this stream gets here */
+    uint64_t alloc_seq;
     ctx_t *ctx;
     int busy;
     int freed;
@@ -667,6 +669,19 @@ static int value_ok(uint32_t v, uint32_t want, unsigned flags) {
     return 1;
 }
 
+/* Memory from cuMemAllocAsync on stream A is usable on another stream only once A has got
+ * to the allocation (the other stream waited for it): reaching it earlier is a missing
+ * dependency, which on a GPU reads or writes memory the pool may still hand elsewhere. */
+static void check_alloc_order(stream_t *s, alloc_t *a, CUdeviceptr p) {
+    if (!a || !a->alloc_stream || a->alloc_stream == s)
+        return;
+    if (!stream_idle(a->alloc_stream, a->alloc_seq))
+        violation("stream %#llx used %#llx before stream %#llx got to its stream-ordered "
+                  "allocation (cuMemAllocAsync): a missing wait",
+                  (unsigned long long)s->handle, (unsigned long long)p,
+                  (unsigned long long)a->alloc_stream->handle);
+}
+
 static void run_op(stream_t *s, op_t *o) {
     /* lock held on entry and exit; may drop it */
     ctx_t *c = s->ctx;
@@ -692,6 +707,8 @@ static void run_op(stream_t *s, op_t *o) {
             set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
             break;
         }
+        check_alloc_order(s, d.a, o->dst);
+        check_alloc_order(s, r.a, o->src);
         if (cfg.lose_after_copies >= 0 && st.copies >= cfg.lose_after_copies) {
             set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
             break;
@@ -723,6 +740,7 @@ static void run_op(stream_t *s, op_t *o) {
             set_sticky(c, CUDA_ERROR_ILLEGAL_ADDRESS);
             break;
         }
+        check_alloc_order(s, d.a, o->dst);
         if (o->kind == OP_MEMSET32) {
             uint32_t *w = (uint32_t *)(void *)d.p;
             for (size_t i = 0; i < o->n; i++)
@@ -1500,7 +1518,8 @@ EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) {
 }
 
 /* -- memory ----------------------------------------------------------------------------- */
-static CUresult device_alloc(ctx_t *c, size_t n, int from_pool, CUdeviceptr *out) {
+static CUresult device_alloc(ctx_t *c, size_t n, int from_pool, struct stream *s,
+                             CUdeviceptr *out) {
     device_t *d = &g_dev[c->device];
     if (!n)
         return CUDA_ERROR_INVALID_VALUE;
@@ -1520,6 +1539,8 @@ static CUresult device_alloc(ctx_t *c, size_t n, int from_pool, CUdeviceptr *out
     a->kind = A_DEVICE;
     a->device = c->device;
     a->from_pool = from_pool;
+    a->alloc_stream = s;
+    a->alloc_seq = s ? s->enqueued : 0;
     a->ctx = c;
     /* addresses are never reused: 256-byte aligned, a 4 KiB hole after each allocation */
     d->next_addr += (n + 4096 + 255) / 256 * 256;
@@ -1541,7 +1562,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) {
     ctx_t *c;
     CUresult e = need_ctx(&c);
     if (!e)
-        e = device_alloc(c, n, 0, out);
+        e = device_alloc(c, n, 0, NULL, out);
     pthread_mutex_unlock(&g_mu);
     return e;
 }
@@ -1554,7 +1575,7 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t n, CUstream h) {
     stream_t *s;
     CUresult e = get_stream(h, &s);
     if (!e)
-        e = device_alloc(s->ctx, n, 1, out);
+        e = device_alloc(s->ctx, n, 1, s, out);
     pthread_mutex_unlock(&g_mu);
     return e;
 }

@@ -89,8 +89,8 @@ class CudaStream(StreamImpl):
                 # writes it once the copy is done), and the stream may still wait for it.
                 # Handing the word to another stream now would let its reset strand this
                 # stream's wait, or this stream's late write open the other's gate early.
-                end = CudaNotification(self)
                 try:
+                    end = CudaNotification(self)
                     end.activate()
                 except DeviceError:  # a broken context: nothing will wait on the word again
                     end = None
