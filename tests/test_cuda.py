@@ -1145,3 +1145,32 @@ async def test_a_stream_with_a_gate_closes_on_a_broken_context(
     assert impl.closed
     assert impl.gate_released.is_set()
     await stream.aclose()
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_blocking_driver_calls_release_the_gil(
+    env: aioep.Environment, gpu: aioep.EpDevice
+) -> None:
+    """A thread blocked in a synchronisation lets every other Python thread run (cuda-bindings
+    before 12.9.x would hold the GIL: the release below could then never happen)."""
+    from aioep_cuda._driver import call_nogil, check, ctx_current
+
+    async with env.create_sync_stream(gpu) as stream:
+        impl = stream.impl
+        result: list[Any] = []
+        with _held(stream) as release:
+
+            def synchronize() -> None:
+                with ctx_current(impl.device.ctx):
+                    result.append(call_nogil("cuStreamSynchronize", impl.handle))
+
+            waiter = threading.Thread(target=synchronize)
+            waiter.start()
+            total = sum(range(200_000))  # Python work while the waiter is blocked
+            assert not result
+            release()
+            waiter.join(20)
+        assert total == 199_999 * 100_000
+        assert len(result) == 1
+        check(result[0], "cuStreamSynchronize")

@@ -120,10 +120,17 @@ def _positional_count(fn: Any) -> tuple[int, int] | None:
 
 def _returned(fn: Any) -> int | None:
     """How many values a binding returns (``CUresult`` included), from its docstring."""
-    m = re.search(r"\nReturns\n-+\n(.*?)(?:\n\s*\n|\Z)", fn.__doc__ or "", re.S)
+    # The section may be indented (cuda-bindings 12.8 keeps the docstrings' indentation):
+    # count the lines at the indentation of its "Returns" heading.
+    m = re.search(r"\n([ \t]*)Returns\n[ \t]*-+\n(.*?)(?:\n\s*\n|\Z)", fn.__doc__ or "", re.S)
     if not m:
         return None
-    return sum(1 for line in m.group(1).splitlines() if line.strip() and not line[0].isspace())
+    indent = len(m.group(1))
+    return sum(
+        1
+        for line in m.group(2).splitlines()
+        if line.strip() and len(line) - len(line.lstrip()) == indent
+    )
 
 
 def problems(uses: list[Use]) -> list[str]:
@@ -233,3 +240,13 @@ def test_flag_values_the_backend_relies_on() -> None:
     assert int(drv.CUstream(0x1234)) == 0x1234
     assert int(drv.CUdeviceptr(0x5678)) == 0x5678
     assert len(drv.CUuuid().bytes) == 16
+
+
+def test_calls_made_without_the_gil_match_the_bindings() -> None:
+    # _driver.call_nogil calls these exported symbols through ctypes (cuda-bindings before
+    # 12.9.x holds the GIL during a call): as many pointer-sized arguments as the binding.
+    from aioep_cuda import _driver
+
+    for symbol, argtypes in _driver._NOGIL_ARGS.items():
+        binding = getattr(drv, symbol.removesuffix("_v2"))
+        assert len(inspect.signature(binding).parameters) == len(argtypes), symbol

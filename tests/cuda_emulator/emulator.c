@@ -2161,6 +2161,11 @@ EXPORT CUresult cuGetErrorString(CUresult e, const char **out) {
 }
 
 /* -- cuGetProcAddress: how cuda-bindings finds every function ---------------------------- */
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                                    unsigned long long flags, int *status);
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version,
+                                 unsigned long long flags);
+
 typedef struct {
     const char *name;
     int since; /* the CUDA version that introduced this variant */
@@ -2236,6 +2241,9 @@ static const proc_t g_procs[] = {
     P("cuMemPoolSetAttribute", 11020, 0, cuMemPoolSetAttribute),
     P("cuMemPoolGetAttribute", 11020, 0, cuMemPoolGetAttribute),
     P("cuMemPoolSetAccess", 11020, 0, cuMemPoolSetAccess),
+    /* cuda-bindings 12.x looks the lookup itself up (and uses what it gets from then on) */
+    P("cuGetProcAddress", 11030, 12000, cuGetProcAddress),
+    P("cuGetProcAddress", 12000, 0, cuGetProcAddress_v2),
 };
 
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from aioep import Buffer, DeviceError
 from aioep.abc import Allocator
 
-from ._driver import check, ctx_current, driver, error_name
+from ._driver import call_nogil, check, ctx_current, driver, error_name
 from ._stream import CudaStream
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class CudaDeviceAllocator(Allocator):
                     err, ptr = drv.cuMemAllocAsync(nbytes, helper)
                     if err == drv.CUresult.CUDA_SUCCESS:
                         # Usable from any stream: the allocation must have happened.
-                        check(drv.cuStreamSynchronize(helper), "cuStreamSynchronize")
+                        sync = call_nogil("cuStreamSynchronize", int(helper))
+                        check(sync, "cuStreamSynchronize")
                 if err != drv.CUresult.CUDA_SUCCESS:
                     raise _oom(dev, "cuMemAllocAsync", nbytes, err)
         addr = int(ptr)
@@ -111,12 +112,12 @@ class CudaDeviceAllocator(Allocator):
 
 def _free_device(device: CudaDevice, ptr: int) -> None:
     with ctx_current(device.ctx):
-        driver().cuMemFree(ptr)
+        call_nogil("cuMemFree_v2", ptr)
 
 
 def _free_host(device: CudaDevice, ptr: int) -> None:
     with ctx_current(device.ctx):
-        driver().cuMemFreeHost(ptr)
+        call_nogil("cuMemFreeHost", ptr)
 
 
 class _PinnedBlock:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aioep import DeviceError, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 
-from ._driver import check, ctx_current, driver
+from ._driver import call_nogil, check, ctx_current, driver
 from ._free import Freer
 
 __all__ = ["NVIDIA_VENDOR_ID", "CudaDevice", "EventPool"]
@@ -229,7 +229,7 @@ class CudaDevice:
         drv = driver()
         try:
             with ctx_current(self.ctx):
-                drv.cuCtxSynchronize()
+                call_nogil("cuCtxSynchronize")
                 for stream in (self._helper, self._side):
                     if stream is not None:
                         drv.cuStreamDestroy(stream)

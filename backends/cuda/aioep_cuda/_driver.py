@@ -17,6 +17,7 @@ from typing import Any
 from aioep import DeviceError
 
 __all__ = [
+    "call_nogil",
     "check",
     "ctx_current",
     "driver",
@@ -29,6 +30,16 @@ _driver: Any = None
 _libcuda: ctypes.CDLL | None = None
 _launch: Any = None
 _load_lock = threading.Lock()
+_nogil: dict[str, Any] = {}
+_u64, _ptr, _size = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t
+_NOGIL_ARGS: dict[str, list[Any]] = {
+    "cuEventSynchronize": [_ptr],
+    "cuStreamSynchronize": [_ptr],
+    "cuCtxSynchronize": [],
+    "cuMemFree_v2": [_u64],
+    "cuMemFreeHost": [_ptr],
+    "cuMemcpyAsync": [_u64, _u64, _size, _ptr],
+}
 
 
 def load_driver() -> Any:
@@ -113,12 +124,37 @@ def ctx_current(ctx: Any) -> Iterator[None]:
         drv.cuCtxPopCurrent()
 
 
-def _load_launch() -> Any:
-    global _libcuda, _launch
-    if _launch is None:
+def _lib() -> ctypes.CDLL:
+    global _libcuda
+    if _libcuda is None:
         # The same libcuda.so.1 that cuda-bindings loaded (dlopen returns the loaded handle).
         _libcuda = ctypes.CDLL("libcuda.so.1")
-        fn = _libcuda.cuLaunchHostFunc
+    return _libcuda
+
+
+def call_nogil(name: str, *args: int) -> Any:
+    """Call a driver function that can block through ctypes, which releases the GIL.
+
+    ``name`` is one of the driver's exported symbols listed in ``_NOGIL_ARGS``: the
+    synchronisations, the frees that synchronise the device, and ``cuMemcpyAsync`` for
+    pageable memory (synchronous for the host). cuda-bindings before 12.9.x / 13.0 holds
+    the GIL for the whole call, so a thread waiting there would stall every Python thread:
+    the event loop, and the dispatcher and copy threads the device may be waiting for.
+    Handles and pointers are passed as ints; returns the ``CUresult``.
+    """
+    fn = _nogil.get(name)
+    if fn is None:
+        fn = getattr(_lib(), name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = _NOGIL_ARGS[name]
+        _nogil[name] = fn
+    return driver().CUresult(fn(*args))
+
+
+def _load_launch() -> Any:
+    global _launch
+    if _launch is None:
+        fn = _lib().cuLaunchHostFunc
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         _launch = fn

@@ -31,7 +31,7 @@ from aioep import DeviceError, DeviceType, MemoryDevice, MemoryType
 from aioep.abc import CopyPair, DataTransfer, StreamImpl
 
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
-from ._driver import check, ctx_current, driver, error_name
+from ._driver import call_nogil, check, ctx_current, driver, error_name
 from ._stream import CudaStream
 
 __all__ = ["CudaDataTransfer", "PageableCopier"]
@@ -81,13 +81,14 @@ class PageableCopier:
     def _copy(
         self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
     ) -> None:
-        drv = driver()
         dev = stream.device
-        side = dev.side_stream()
+        side = int(dev.side_stream())
         try:
             with ctx_current(dev.ctx):
                 for dst, src, n in jobs:
-                    check(drv.cuMemcpyAsync(dst, src, n, side), "cuMemcpyAsync (pageable)")
+                    check(
+                        call_nogil("cuMemcpyAsync", dst, src, n, side), "cuMemcpyAsync (pageable)"
+                    )
         except BaseException as exc:
             stream.gate_errors[value] = exc
         finally:
@@ -201,7 +202,7 @@ class CudaDataTransfer(DataTransfer):
                     self._memcpy(d, s, cu)
             check(drv.cuEventRecord(event, cu), "cuEventRecord")
             # A blocking-sync event: the thread sleeps in the driver, it does not spin.
-            check(drv.cuEventSynchronize(event), "cuEventSynchronize")
+            check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
 
     def _batch_device(self, pairs: Sequence[CopyPair]) -> CudaDevice:
         for s, d in pairs:
@@ -220,6 +221,12 @@ class CudaDataTransfer(DataTransfer):
             check(
                 drv.cuMemcpyPeerAsync(d.data_ptr, ddev.ctx, s.data_ptr, sdev.ctx, s.nbytes, cu),
                 f"cuMemcpyPeerAsync(device {sdev.ordinal} -> {ddev.ordinal}, {s.nbytes} bytes)",
+            )
+        elif "pageable" in (src_loc[0], dst_loc[0]):
+            # Synchronous for the host: without the GIL (see call_nogil).
+            check(
+                call_nogil("cuMemcpyAsync", d.data_ptr, s.data_ptr, s.nbytes, int(cu)),
+                f"cuMemcpyAsync({src_loc[0]} -> {dst_loc[0]}, {s.nbytes} bytes)",
             )
         else:
             check(
@@ -240,7 +247,6 @@ class CudaDataTransfer(DataTransfer):
                     drv.cuCtxEnablePeerAccess(y.ctx, 0)  # already enabled: fine
 
     def _enqueue(self, pairs: Sequence[CopyPair], stream: CudaStream) -> None:
-        drv = driver()
         dev = stream.device
         pageable: list[tuple[int, int, int]] = []
         with stream.lock, ctx_current(dev.ctx):
@@ -260,7 +266,8 @@ class CudaDataTransfer(DataTransfer):
             if pageable and not self._gate(stream, pageable):
                 # No stream memory operations: CUDA's own (synchronous) pageable copies.
                 for dst, src, n in pageable:
-                    check(drv.cuMemcpyAsync(dst, src, n, stream.cu), "cuMemcpyAsync (pageable)")
+                    copied = call_nogil("cuMemcpyAsync", dst, src, n, int(stream.cu))
+                    check(copied, "cuMemcpyAsync (pageable)")
 
     def _gate(self, stream: CudaStream, jobs: list[tuple[int, int, int]]) -> bool:
         if not self._stream_mem_ops:
