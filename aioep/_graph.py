@@ -9,9 +9,10 @@ and shapes (:class:`ValueInfo`, from ONNX shape inference), and initializers
 
 from __future__ import annotations
 
+import functools
 import heapq
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -41,13 +42,22 @@ def _onnx() -> Any:
 @dataclass(frozen=True)
 class ValueInfo:
     """Type and shape of a value; ``shape`` is None when the rank is unknown and a
-    dimension is an int, a symbolic name (str) or None when unknown."""
+    dimension is an int, a symbolic name (str) or None when unknown.
+
+    ``kind`` is the ONNX type's kind: ``"tensor"``, ``"sequence"``, ``"optional"``,
+    ``"map"``, ``"sparse_tensor"``, ``"opaque"``, or ``"unknown"`` where the type is
+    not known; ``elem_type`` and ``shape`` describe tensors only (0 and None
+    otherwise). ``type_proto`` is the ``onnx.TypeProto`` of a value that is not a
+    tensor (None for tensors and unknown types).
+    """
 
     name: str
     elem_type: int
     shape: tuple[Dim, ...] | None
+    kind: str = "tensor"
+    type_proto: Any = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype[Any] | None:
         """The numpy dtype of a tensor value, or None (unknown type, or not a tensor)."""
         if not self.elem_type:
@@ -58,6 +68,16 @@ class ValueInfo:
         except (KeyError, TypeError, ValueError):
             return None
         return dtype
+
+    @property
+    def is_device_tensor(self) -> bool:
+        """True for a tensor of a known numeric (or bool) element type: a value that can
+        live in device memory. String tensors, sequences, optionals and maps, and values
+        of unknown type, live on the host only."""
+        if self.kind != "tensor":
+            return False
+        dtype = self.dtype
+        return dtype is not None and not dtype.hasobject
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,7 @@ class Node:
     implicit_inputs: tuple[str, ...] = ()
     proto: Any = field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def all_inputs(self) -> tuple[str, ...]:
         """Explicit (non-empty) then implicit inputs, without duplicates."""
         seen: dict[str, None] = {}
@@ -157,6 +177,78 @@ def _attribute_value(onnx: Any, attr: Any) -> Any:
     return value
 
 
+class _Attributes(Mapping[str, Any]):
+    """A node's attributes, each converted from its ``AttributeProto`` when first read."""
+
+    __slots__ = ("_done", "_protos")
+
+    def __init__(self, protos: Sequence[Any]) -> None:
+        self._protos = {a.name: a for a in protos}
+        self._done: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._done[key]
+        except KeyError:
+            value = _attribute_value(_onnx(), self._protos[key])
+            self._done[key] = value
+            return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._protos)
+
+    def __len__(self) -> int:
+        return len(self._protos)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+_GRAPH_ATTRIBUTE_TYPES = (5, 10)  # AttributeProto.GRAPH, GRAPHS
+
+
+def _new_node(**fields: Any) -> Node:
+    # Node is frozen: its generated __init__ sets each field through object.__setattr__,
+    # which for a model of thousands of nodes took longer than the rest of the view.
+    node = object.__new__(Node)
+    node.__dict__.update(fields)
+    return node
+
+
+def _for_inference(onnx: Any, model: Any) -> Any:
+    """``model`` for shape inference: large initializers become typed graph inputs, so the
+    model is not serialized twice with its weights (inference only needs their shapes;
+    small ones, such as the shapes Reshape reads, keep their values)."""
+    graph = model.graph
+    big = {
+        t.name
+        for t in graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() > _INFERENCE_KEEP_BYTES
+    }
+    if not big:
+        return model
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    g = light.graph
+    g.name = graph.name
+    g.node.extend(graph.node)
+    g.input.extend(graph.input)
+    g.output.extend(graph.output)
+    g.value_info.extend(graph.value_info)
+    declared = {i.name for i in graph.input}
+    for t in graph.initializer:
+        if t.name not in big:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light
+
+
+_INFERENCE_KEEP_BYTES = 4096
+
+
 def _outer_scope_reads(graph: Any) -> set[str]:
     """Names a subgraph reads that it neither defines nor receives as inputs."""
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
@@ -174,8 +266,14 @@ def _outer_scope_reads(graph: Any) -> set[str]:
 
 def _value_info(onnx: Any, vi: Any) -> ValueInfo:
     t = vi.type
-    if t.WhichOneof("value") != "tensor_type":
-        return ValueInfo(vi.name, 0, None)
+    which = t.WhichOneof("value")
+    if which != "tensor_type":
+        if which is None:
+            return ValueInfo(vi.name, 0, None, "unknown")
+        # A copy: the inferred model this came from holds a copy of every initializer.
+        proto = onnx.TypeProto()
+        proto.CopyFrom(t)
+        return ValueInfo(vi.name, 0, None, which.removesuffix("_type"), proto)
     tt = t.tensor_type
     shape: tuple[Dim, ...] | None = None
     if tt.HasField("shape"):
@@ -184,6 +282,8 @@ def _value_info(onnx: Any, vi: Any) -> ValueInfo:
             kind = d.WhichOneof("value")
             dims.append(d.dim_value if kind == "dim_value" else d.dim_param if kind else None)
         shape = tuple(dims)
+    if not tt.elem_type:
+        return ValueInfo(vi.name, 0, shape, "unknown")
     return ValueInfo(vi.name, int(tt.elem_type), shape)
 
 
@@ -201,6 +301,7 @@ class GraphView:
         "_model",
         "_producer",
         "_value_infos",
+        "_value_protos",
         "initializers",
         "inputs",
         "model_path",
@@ -214,6 +315,7 @@ class GraphView:
     _model: Any
     _producer: dict[str, int]
     _value_infos: dict[str, ValueInfo]
+    _value_protos: dict[str, Any]
     initializers: Mapping[str, Initializer]
     inputs: tuple[ValueInfo, ...]
     model_path: Path | None
@@ -264,29 +366,35 @@ class GraphView:
             {t.name: Initializer(t, base_dir) for t in graph.initializer}
         )
         try:
-            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+            inferred = onnx.shape_inference.infer_shapes(
+                _for_inference(onnx, model), strict_mode=False
+            ).graph
             infos = [*inferred.input, *inferred.value_info, *inferred.output]
         except Exception:  # inference is a help, not a requirement
             infos = [*graph.input, *graph.value_info, *graph.output]
-        values: dict[str, ValueInfo] = {}
+        protos: dict[str, Any] = {}
         for vi in infos:
-            values.setdefault(vi.name, _value_info(onnx, vi))
-        for init in self.initializers.values():
-            values.setdefault(
-                init.name, ValueInfo(init.name, int(init.proto.data_type), init.shape)
-            )
-        self._value_infos = values
-        self.inputs = tuple(values[i.name] for i in graph.input if i.name not in self.initializers)
-        self.outputs = tuple(values.get(o.name, _value_info(onnx, o)) for o in graph.output)
+            protos.setdefault(vi.name, vi)
+        # Converted when first asked for (a large model has thousands; a session on the CPU
+        # fallback alone asks for few).
+        self._value_protos = protos
+        self._value_infos = {}
+        self.inputs = tuple(
+            self._info(i.name, i) or _value_info(onnx, i)
+            for i in graph.input
+            if i.name not in self.initializers
+        )
+        self.outputs = tuple(self._info(o.name, o) or _value_info(onnx, o) for o in graph.output)
 
         raw = list(graph.node)
-        implicit = []
+        implicit: list[tuple[str, ...]] = []
         for node in raw:
             reads: set[str] = set()
             for attr in node.attribute:
-                for sub in (attr.g,) if attr.HasField("g") else tuple(attr.graphs):
-                    reads |= _outer_scope_reads(sub)
-            implicit.append(tuple(sorted(reads - set(node.input))))
+                if attr.type in _GRAPH_ATTRIBUTE_TYPES:
+                    for sub in (attr.g,) if attr.HasField("g") else tuple(attr.graphs):
+                        reads |= _outer_scope_reads(sub)
+            implicit.append(tuple(sorted(reads - set(node.input))) if reads else ())
         order = _topological_order(
             raw, implicit, set(self.initializers) | {i.name for i in graph.input}
         )
@@ -295,16 +403,14 @@ class GraphView:
         consumers: dict[str, list[int]] = {}
         for index, old in enumerate(order):
             p = raw[old]
-            node = Node(
+            node = _new_node(
                 index=index,
                 name=p.name,
                 op_type=p.op_type,
                 domain=p.domain,
                 inputs=tuple(p.input),
                 outputs=tuple(p.output),
-                attributes=MappingProxyType(
-                    {a.name: _attribute_value(onnx, a) for a in p.attribute}
-                ),
+                attributes=_Attributes(p.attribute),
                 implicit_inputs=implicit[old],
                 proto=p,
             )
@@ -326,7 +432,21 @@ class GraphView:
 
     def value_info(self, name: str) -> ValueInfo | None:
         """Type and shape of a value (graph input, output, intermediate or initializer)."""
-        return self._value_infos.get(name)
+        info = self._value_infos.get(name)
+        return info if info is not None else self._info(name)
+
+    def _info(self, name: str, declared: Any = None) -> ValueInfo | None:
+        proto = self._value_protos.get(name, declared)
+        if proto is not None:
+            info = _value_info(_onnx(), proto)
+        elif name in self.initializers:
+            init = self.initializers[name]
+            info = ValueInfo(name, int(init.proto.data_type), init.shape)
+        else:
+            return None
+        # Several threads may convert the same name; they store equal values.
+        self._value_infos[name] = info
+        return info
 
     def producer(self, name: str) -> int | None:
         """Index of the node that produces ``name`` (None for inputs and initializers)."""
@@ -481,12 +601,14 @@ class GraphView:
         return model
 
     def _value_info_proto(self, helper: Any, name: str) -> Any:
-        info = self._value_infos.get(name)
-        if info is None or not info.elem_type:
+        info = self.value_info(name)
+        if info is None or info.kind == "unknown":
             raise NotImplementedByEp(
                 f"the type of value {name!r} is unknown (ONNX shape inference could not find it), "
                 "so the graph cannot be split there"
             )
+        if info.kind != "tensor":
+            return helper.make_value_info(name, info.type_proto)
         shape = None if info.shape is None else list(info.shape)
         return helper.make_tensor_value_info(name, info.elem_type, shape)
 
@@ -509,6 +631,10 @@ def _topological_order(
                         f"{node.name!r})"
                     )
                 producer[out] = i
+    if all(
+        producer.get(n, -1) < i for i, node in enumerate(raw) for n in (*node.input, *implicit[i])
+    ):
+        return list(range(len(raw)))  # the file order is already topological (the usual case)
     indegree = [0] * len(raw)
     succ: list[list[int]] = [[] for _ in raw]
     for i, node in enumerate(raw):

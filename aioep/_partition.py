@@ -101,9 +101,38 @@ def _check_meta_def(graph: GraphView, ep: Ep, group: Sequence[int], meta: MetaDe
         raise InvalidArgument(f"{where}: meta_def outputs {bad_out} are not made by the group")
 
 
+def _host_only(graph: GraphView, names: Sequence[str]) -> list[str]:
+    """The values among ``names`` that cannot live in device memory (strings, sequences,
+    optionals, maps, unknown types)."""
+    out = []
+    for name in names:
+        info = graph.value_info(name)
+        if info is None or not info.is_device_tensor:
+            out.append(name)
+    return out
+
+
+def _dead_nodes(graph: GraphView) -> frozenset[int]:
+    """Nodes whose outputs no graph output depends on."""
+    live: set[int] = set()
+    stack = [p for name in graph.output_names if (p := graph.producer(name)) is not None]
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.predecessors(i) - live)
+    return frozenset(range(len(graph.nodes))) - live
+
+
 def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     """Assign every node to exactly one EP (or the CPU fallback) and return the partitions
     in an order in which they can run one after another.
+
+    A claim whose inputs or outputs include a value that only the host can hold (a
+    string tensor, a sequence, an optional, a map, or a value of unknown type) is left
+    to the CPU fallback, whose onnxruntime session handles those values: EP inputs
+    and outputs are device tensors. So is a claim of nodes that no graph output
+    depends on; CPU parts with no outputs do not run.
 
     Raises:
         InvalidArgument: an EP's claim names a node that does not exist, overlaps an
@@ -112,6 +141,7 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     """
     n = len(graph.nodes)
     assigned: dict[int, str] = {}
+    dead = _dead_nodes(graph)
     claims: list[tuple[Ep, tuple[int, ...], MetaDef | None]] = []
     reach: _Reach | None = None
     for ep in eps:
@@ -163,6 +193,16 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
                     )
             if claim.meta_def is not None:
                 _check_meta_def(graph, ep, group, claim.meta_def)
+                interface = (*claim.meta_def.inputs, *claim.meta_def.outputs)
+            else:
+                b_in, b_out = graph.boundary(group)
+                interface = (*b_in, *b_out)
+            if _host_only(graph, interface):
+                continue  # the nodes stay unclaimed: the fallback (or a later EP) runs them
+            if dead.issuperset(group):
+                # Nothing reads what the group makes: no EP runs it (a group with no outputs
+                # cannot be compiled), and as a CPU part with no outputs it does not run.
+                continue
             for i in group:
                 assigned[i] = ep.name
             claims.append((ep, group, claim.meta_def))
@@ -193,12 +233,14 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     counters: dict[str, int] = {}
     for label, run in runs:
         if label is None:
-            nodes_run = [units[u][0] for u in run]
-            for comp in graph._components(nodes_run):
-                k = counters.get(CPU_EP_NAME, 0)
-                counters[CPU_EP_NAME] = k + 1
-                b_in, b_out = graph.boundary(comp)
-                partitions.append(Partition(None, comp, MetaDef(f"{CPU_EP_NAME}_{k}", b_in, b_out)))
+            # One onnxruntime session per run of unclaimed nodes, connected or not: the run
+            # is consecutive in a topological order, so it is convex, and every session costs
+            # its creation (densenet's 836 independent ConstantOfShape nodes made 836).
+            part = tuple(sorted(units[u][0] for u in run))
+            k = counters.get(CPU_EP_NAME, 0)
+            counters[CPU_EP_NAME] = k + 1
+            b_in, b_out = graph.boundary(part)
+            partitions.append(Partition(None, part, MetaDef(f"{CPU_EP_NAME}_{k}", b_in, b_out)))
             continue
         for u in run:
             ep, group, meta = claims[u]

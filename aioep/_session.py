@@ -31,7 +31,7 @@ from anyio.abc import AsyncResource
 from ._device import EpDevice
 from ._ep import CompiledNode, Ep, FusedGroup
 from ._errors import ClosedError, DeviceError, EpError, InvalidArgument, NotImplementedByEp
-from ._graph import GraphView
+from ._graph import GraphView, ValueInfo
 from ._host import HOST_EP_NAME
 from ._notification import Notification
 from ._ort_compat import ir_version_for_ort
@@ -58,11 +58,16 @@ class _State(enum.Enum):
 
 @dataclass
 class _Value:
-    """A value of one run: the tensor, and where its producer's work stands."""
+    """A value of one run: the tensor, and where its producer's work stands.
 
-    tensor: Tensor
+    Values that are not tensors (sequences, optionals, maps) have ``tensor=None`` and
+    live on the host, in ``host`` (an absent optional is ``host=None``).
+    """
+
+    tensor: Tensor | None
     ready: Notification | None = None  # None: complete
     stream: SyncStream | None = None
+    host: Any = None
 
 
 @dataclass
@@ -181,7 +186,7 @@ class Session(AsyncResource):
     _eps: list[Ep]
     _executor: ThreadPoolExecutor | None
     _held: list[tuple[list[Notification], object]]
-    _input_specs: tuple[tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None], ...]
+    _input_specs: tuple[tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None, ValueInfo], ...]
     _steps: list[_Step]
     _streams: dict[str, SyncStream]
     _state: _State
@@ -209,7 +214,7 @@ class Session(AsyncResource):
         self._executor = None
         self._held = []
         self._direct = None
-        self._input_specs = tuple((i.name, i.dtype, i.shape) for i in graph.inputs)
+        self._input_specs = tuple((i.name, i.dtype, i.shape, i) for i in graph.inputs)
         self.assignment = ()
         return self
 
@@ -223,6 +228,8 @@ class Session(AsyncResource):
             by_ep: dict[str, list[_Step]] = {}
             uploads: dict[tuple[str, MemoryDevice], Tensor] = {}
             for part in partitions:
+                if part.ep is None and not part.meta_def.outputs:
+                    continue  # dead nodes: nothing reads what they make
                 if part.ep is None:
                     feeds = tuple(n for n in part.meta_def.inputs if n not in graph.initializers)
                     steps.append(_Step(part, HOST_MEMORY_INFO, None, {}, feeds))
@@ -320,12 +327,17 @@ class Session(AsyncResource):
         stream: SyncStream | None = None,
         *,
         output_location: str = "device",
-    ) -> dict[str, Tensor]:
+    ) -> dict[str, Any]:
         """Run the model and return output name -> tensor.
 
         ``inputs`` maps every model input to a host array or a tensor on any device.
         Outputs stay where the producing EP put them; ``output_location="host"``
-        copies them to host memory. Without ``stream`` the call returns when all
+        copies them to host memory.
+
+        Values that only the host holds pass through to and from onnxruntime's CPU
+        execution provider: string tensors (numpy arrays of ``str``/``bytes`` in; host
+        tensors of dtype ``object`` out), sequences (lists of arrays or tensors in; lists
+        of host tensors out) and optionals (None, or the value). Without ``stream`` the call returns when all
         the run's work is complete. With ``stream`` (a stream of one of the
         session's EP devices) that EP's work and copies go on it, the inputs may
         still be in flight on it, and the call returns once everything is enqueued:
@@ -388,12 +400,13 @@ class Session(AsyncResource):
         if not isinstance(inputs, Mapping) or len(inputs) != len(specs):
             return None
         feeds: dict[str, npt.NDArray[Any]] = {}
-        for name, want, shape in specs:
+        for name, want, shape, info in specs:
             given = inputs.get(name)
             if isinstance(given, Tensor) and given.is_host_accessible:
                 given = given.numpy()
             if (
-                not isinstance(given, np.ndarray)
+                info.kind != "tensor"
+                or not isinstance(given, np.ndarray)
                 or (want is not None and given.dtype != want)
                 or (
                     shape is not None
@@ -407,15 +420,10 @@ class Session(AsyncResource):
             feeds[name] = given
         return feeds
 
-    async def _run_direct(
-        self, step: _Step, feeds: dict[str, npt.NDArray[Any]]
-    ) -> dict[str, Tensor]:
+    async def _run_direct(self, step: _Step, feeds: dict[str, npt.NDArray[Any]]) -> dict[str, Any]:
         """The whole graph on the CPU fallback, inputs on the host: one ORT call."""
         results = await self._in_thread(_run_ort, step.ort_session, feeds)
-        return {
-            name: Tensor.from_numpy(np.ascontiguousarray(array))
-            for name, array in zip(step.ort_outputs, results)
-        }
+        return {name: _from_ort(value) for name, value in zip(step.ort_outputs, results)}
 
     async def _run(
         self,
@@ -424,7 +432,7 @@ class Session(AsyncResource):
         streams: Mapping[str, SyncStream],
         user_stream: SyncStream | None,
         output_location: str,
-    ) -> dict[str, Tensor]:
+    ) -> dict[str, Any]:
         env = self._env
         tails: dict[SyncStream, Notification] = {}
         for step in self._steps:
@@ -434,10 +442,13 @@ class Session(AsyncResource):
                 target = streams.get(part.ep.name, target)
             args = await self._gather(step, target, values, placed)
             if part.ep is None:
-                arrays = {n: t.numpy() for n, t in zip(step.inputs, args)}
-                results = await self._in_thread(_run_ort, step.ort_session, arrays)
-                for name, array in zip(step.ort_outputs, results):
-                    values[name] = _Value(Tensor.from_numpy(np.ascontiguousarray(array)))
+                feeds = {n: _to_ort(v) for n, v in zip(step.inputs, args)}
+                results = await self._in_thread(_run_ort, step.ort_session, feeds)
+                for name, produced in zip(step.ort_outputs, results):
+                    out = _from_ort(produced)
+                    values[name] = (
+                        _Value(out) if isinstance(out, Tensor) else _Value(None, host=out)
+                    )
                 continue
             assert step.compiled is not None
             try:
@@ -464,13 +475,15 @@ class Session(AsyncResource):
             for name, t in zip(part.meta_def.outputs, outs):
                 values[name] = _Value(t, ready, target)
 
-        result: dict[str, Tensor] = {}
+        result: dict[str, Any] = {}
         to_host: list[tuple[str, _Value]] = []
         for name in self.output_names:
             value = values.get(name)
             if value is None:
                 raise EpError(f"{self!r}: no partition produced the graph output {name!r}")
-            if output_location == "host" and not value.tensor.is_host_accessible:
+            if value.tensor is None:
+                result[name] = value.host
+            elif output_location == "host" and not value.tensor.is_host_accessible:
                 to_host.append((name, value))
             else:
                 result[name] = value.tensor
@@ -479,8 +492,9 @@ class Session(AsyncResource):
         for name, value in to_host:
             by_stream.setdefault(value.stream, []).append((name, value))
         for s, items in by_stream.items():
-            dsts = [np.empty(v.tensor.shape, v.tensor.dtype) for _, v in items]
-            waits.append(env.copy_tensors([v.tensor for _, v in items], dsts, s))
+            srcs = [v.tensor for _, v in items if v.tensor is not None]
+            dsts = [np.empty(t.shape, t.dtype) for t in srcs]
+            waits.append(env.copy_tensors(srcs, dsts, s))
             for (name, _), dst in zip(items, dsts):
                 result[name] = Tensor.from_numpy(dst)
         for fut in waits:
@@ -512,8 +526,8 @@ class Session(AsyncResource):
                 f"run: inputs must map input names to arrays or tensors, got {type(inputs).__name__}"
             )
         specs = self._input_specs
-        if len(inputs) != len(specs) or any(n not in inputs for n, _, _ in specs):
-            names = [n for n, _, _ in specs]
+        if len(inputs) != len(specs) or any(spec[0] not in inputs for spec in specs):
+            names = [spec[0] for spec in specs]
             unknown = sorted(set(inputs) - set(names))
             if unknown:
                 raise InvalidArgument(
@@ -522,13 +536,22 @@ class Session(AsyncResource):
             missing = [n for n in names if n not in inputs]
             raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
         values: dict[str, _Value] = {}
-        for name, want, shape in specs:
+        for name, want, shape, info in specs:
             given = inputs[name]
+            if info.kind not in ("tensor", "unknown"):
+                values[name] = _Value(None, host=_host_input(name, given, info))
+                continue
             if isinstance(given, Tensor):
                 tensor = given
                 value = _Value(tensor, ready, stream if ready is not None else None)
             else:
-                tensor = Tensor.from_numpy(np.ascontiguousarray(given))
+                array = np.asarray(given)
+                if array.dtype.kind in "USO" and (want is None or want.hasobject):
+                    tensor = Tensor._of_objects(array.astype(object, copy=False))
+                elif want is not None and array.dtype != want:
+                    tensor = Tensor.from_numpy(np.empty(0, array.dtype))  # the error below
+                else:
+                    tensor = Tensor.from_numpy(_contiguous(array))
                 value = _Value(tensor)
             if want is not None and tensor.dtype != want:
                 raise InvalidArgument(
@@ -550,11 +573,12 @@ class Session(AsyncResource):
         target: SyncStream | None,
         values: dict[str, _Value],
         placed: dict[tuple[str, MemoryDevice], _Value],
-    ) -> list[Tensor]:
-        """The step's input tensors in its memory, copying (and ordering) what is elsewhere."""
+    ) -> list[Any]:
+        """The step's input tensors in its memory, copying (and ordering) what is elsewhere
+        (host values that are not tensors, for the CPU fallback, as they are)."""
         device = step.memory.device
-        args: list[Tensor | None] = []
-        copies: dict[SyncStream | None, list[tuple[int, str, _Value, Tensor]]] = {}
+        args: list[Any] = []
+        copies: dict[SyncStream | None, list[tuple[str, Tensor, Tensor]]] = {}
         for name in step.inputs:
             const = step.constants.get(name)
             if const is not None:
@@ -563,26 +587,39 @@ class Session(AsyncResource):
             value = placed.get((name, device)) or values.get(name)
             if value is None:
                 raise EpError(f"{self!r}: value {name!r} was not produced before it is read")
-            if _same_memory(value.tensor.device, device):
-                await _order(value, target)
-                args.append(value.tensor)
+            if value.tensor is None:
+                if device.device_type is not DeviceType.CPU:
+                    raise EpError(
+                        f"{self!r}: value {name!r} is not a tensor and cannot move to "
+                        f"{step.memory.name!r}"
+                    )
+                args.append(value.host)
                 continue
+            t = value.tensor
+            if _same_memory(t.device, device):
+                await _order(value, target)
+                args.append(t)
+                continue
+            if t.dtype.hasobject:
+                raise EpError(
+                    f"{self!r}: value {name!r} is a string tensor and cannot move to "
+                    f"{step.memory.name!r}"
+                )
             # Copy on the device side's stream: the consumer's, else the producer's.
             copy_stream = target if target is not None else value.stream
             if copy_stream is not None and copy_stream is not value.stream and value.ready:
                 copy_stream.wait(value.ready)
             elif copy_stream is None and value.ready is not None:
                 await value.ready
-            t = value.tensor
             if device.device_type is DeviceType.CPU:
                 dst = Tensor.from_numpy(np.empty(t.shape, t.dtype))
             else:
                 dst = self._env.empty(t.shape, t.dtype, step.memory, stream=target)
-            copies.setdefault(copy_stream, []).append((len(args), name, value, dst))
+            copies.setdefault(copy_stream, []).append((name, t, dst))
             args.append(dst)
         for copy_stream, items in copies.items():
             fut = self._env.copy_tensors(
-                [v.tensor for _, _, v, _ in items], [d for *_, d in items], copy_stream
+                [src for _, src, _ in items], [dst for _, _, dst in items], copy_stream
             )
             if copy_stream is not None and copy_stream is target:
                 # Ordered on the consumer's own stream; others wait for the copy's notification.
@@ -590,9 +627,9 @@ class Session(AsyncResource):
             else:
                 await fut
                 note = None
-            for _, name, _, dst in items:
+            for name, _, dst in items:
                 placed[(name, device)] = _Value(dst, note, target if note is not None else None)
-        return [a for a in args if a is not None]
+        return args
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn`` on the session's worker threads; cancelling abandons only the wait."""
@@ -690,7 +727,64 @@ def _same_memory(a: MemoryDevice, b: MemoryDevice) -> bool:
     return a == b or (b.device_type is DeviceType.CPU and a.is_host_accessible)
 
 
-def _run_ort(session: Any, feeds: dict[str, npt.NDArray[Any]]) -> list[Any]:
+def _contiguous(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``array`` in C order, shape kept (``np.ascontiguousarray`` turns 0-d into 1-d)."""
+    if array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array).reshape(array.shape)
+
+
+def _from_ort(value: Any) -> Any:
+    """An onnxruntime result as a session output: arrays become host tensors (string
+    tensors included), sequences lists of them; None (an absent optional) and maps stay."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            return Tensor._of_objects(value)
+        return Tensor.from_numpy(_contiguous(value))
+    if isinstance(value, list):
+        return [_from_ort(v) for v in value]
+    return value
+
+
+def _to_ort(value: Any) -> Any:
+    """A host value as onnxruntime takes it: tensors as arrays, sequences as lists."""
+    if isinstance(value, Tensor):
+        return value.numpy()
+    if isinstance(value, list):
+        return [_to_ort(v) for v in value]
+    return value
+
+
+def _host_input(name: str, given: Any, info: ValueInfo) -> Any:
+    """A model input that is not a tensor (a sequence, optional or map), kept on the host."""
+    if info.kind == "optional" and given is None:
+        return None
+    if info.kind == "sequence" and not isinstance(given, (list, tuple)):
+        raise InvalidArgument(
+            f"run: input {name!r} is a sequence; pass a list of arrays, got {type(given).__name__}"
+        )
+    return _host_data(name, given)
+
+
+def _host_data(name: str, value: Any) -> Any:
+    if isinstance(value, Tensor):
+        if not value.is_host_accessible:
+            raise InvalidArgument(
+                f"run: input {name!r}: {value!r} is in device memory; sequence and optional "
+                "inputs are read on the host"
+            )
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_host_data(name, v) for v in value]
+    if value is None or isinstance(value, dict):
+        return value
+    array = np.asarray(value)
+    if array.dtype.kind in "USO":
+        return Tensor._of_objects(array.astype(object, copy=False))
+    return Tensor.from_numpy(_contiguous(array))
+
+
+def _run_ort(session: Any, feeds: dict[str, Any]) -> list[Any]:
     try:
         return list(session.run(None, feeds))
     except Exception as exc:
@@ -741,4 +835,4 @@ def _make_ort_sessions(
 
 def _read_initializers(graph: GraphView, names: list[str]) -> list[npt.NDArray[Any]]:
     """The data of ``names``, contiguous (runs in a worker thread)."""
-    return [np.ascontiguousarray(graph.initializers[n].numpy()) for n in names]
+    return [_contiguous(graph.initializers[n].numpy()) for n in names]

@@ -187,7 +187,10 @@ class Tensor:
                 f"{array.strides}); use numpy.ascontiguousarray first"
             )
         if array.dtype.hasobject:
-            raise InvalidArgument(f"Tensor.from_numpy: dtype {array.dtype} holds Python objects")
+            raise InvalidArgument(
+                f"Tensor.from_numpy: dtype {array.dtype} holds Python objects, which device "
+                "memory cannot hold (sessions take string arrays as inputs directly)"
+            )
         nbytes = array.nbytes
         buffer = Buffer(
             array.__array_interface__["data"][0],
@@ -204,6 +207,28 @@ class Tensor:
         tensor._size = array.size
         tensor._nbytes = nbytes
         tensor.buffer = buffer
+        tensor.byte_offset = 0
+        return tensor
+
+    @classmethod
+    def _of_objects(cls, array: npt.NDArray[Any]) -> Tensor:
+        """A host-only, read-only tensor over an array of Python objects (an ONNX string
+        tensor from or for onnxruntime). :meth:`numpy` gives the array back; no copy ever
+        moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array).reshape(array.shape)
+        tensor = cls.__new__(cls)
+        tensor.shape = array.shape
+        tensor.dtype = array.dtype
+        tensor._size = array.size
+        tensor._nbytes = array.nbytes
+        tensor.buffer = Buffer(
+            array.__array_interface__["data"][0],
+            array.nbytes,
+            HOST_MEMORY_INFO,
+            owner=array,
+            readonly=True,
+        )
         tensor.byte_offset = 0
         return tensor
 
@@ -265,6 +290,14 @@ class Tensor:
             )
         if self.buffer.freed:
             raise InvalidArgument(f"tensor buffer {self.buffer!r} was freed")
+        if self.dtype.hasobject:
+            # A string tensor from a session: the array itself (numpy cannot wrap object
+            # pointers from an array interface).
+            owner = self.buffer._owner
+            assert isinstance(owner, np.ndarray)
+            view: npt.NDArray[Any] = owner.view()
+            view.flags.writeable = False
+            return view
         if self.size == 0:
             # No data to share; numpy < 2.3 refuses an array interface whose data
             # pointer is NULL, which a zero-size buffer may have.

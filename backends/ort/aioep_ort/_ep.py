@@ -28,6 +28,18 @@ from ._ort import ort, translate
 __all__ = ["OrtPluginEp"]
 
 
+def _contiguous(array: Any) -> Any:
+    """``array`` in C order, shape kept (``np.ascontiguousarray`` turns 0-d into 1-d)."""
+    if array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array).reshape(array.shape)
+
+
+def _device_value(graph: GraphView, name: str) -> bool:
+    info = graph.value_info(name)
+    return info is not None and info.is_device_tensor
+
+
 class _OrtGroup(CompiledNode):
     """One fused group run by an ORT session with the plugin EP."""
 
@@ -48,7 +60,7 @@ class _OrtGroup(CompiledNode):
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
         feeds = {n: t.numpy() for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
         results = await anyio.to_thread.run_sync(self._run, feeds)
-        return [Tensor.from_numpy(np.ascontiguousarray(results[i])) for i in self._positions]
+        return [Tensor.from_numpy(_contiguous(results[i])) for i in self._positions]
 
     def release(self) -> None:
         self._session = None
@@ -87,8 +99,20 @@ class OrtPluginEp(Ep):
         return HOST_MEMORY_INFO
 
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
+        # Nodes that read or write host-only values (strings, sequences, optionals, values
+        # of unknown type) stay with the session's CPU fallback: group inputs and outputs
+        # are tensors, and a split there keeps them off the group's boundary.
+        nodes = [
+            i
+            for i in graph.unassigned_nodes
+            if all(
+                _device_value(graph, n)
+                for n in (*graph.nodes[i].all_inputs, *graph.nodes[i].outputs)
+                if n
+            )
+        ]
         claims = []
-        for k, group in enumerate(graph.convex_groups(graph.unassigned_nodes)):
+        for k, group in enumerate(graph.convex_groups(nodes)):
             inputs, outputs = graph.boundary(group)
             claims.append(IndexedSubGraph(group, MetaDef(f"{self.name}_ort_{k}", inputs, outputs)))
         return claims

@@ -58,6 +58,9 @@ _BINARY: dict[str, Callable[[_Array, _Array], _Array]] = {
     "MatMul": np.matmul,
 }
 SUPPORTED_OPS = frozenset({*_UNARY, *_BINARY, "Gemm"})
+MIN_OPSET = 7
+"""Oldest ``ai.onnx`` opset claimed: before 7, Add/Sub/Mul/Gemm broadcast by their
+``broadcast``/``axis`` attributes rather than numpy's rules (onnxruntime's floor too)."""
 _FLOAT_ONLY = frozenset({"Sigmoid", "Tanh"})
 _DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 
@@ -157,13 +160,19 @@ class _Work:
         env: dict[str, _Array] = {n: self._view(t) for n, t in zip(self.meta.inputs, self.inputs)}
         for node in self.nodes:
             args = [env[n] for n in node.inputs if n]
+            half = args[0].dtype == np.float16
+            if half:
+                # fp16 storage, fp32 arithmetic (as GPUs and onnxruntime's CPU kernels do):
+                # numpy's float16 matmul rounds every partial sum.
+                args = [a.astype(np.float32) for a in args]
             op = node.op_type
             if op in _UNARY:
-                env[node.outputs[0]] = _UNARY[op](args[0])
+                out = _UNARY[op](args[0])
             elif op == "Gemm":
-                env[node.outputs[0]] = _gemm(node, *args)
+                out = _gemm(node, *args)
             else:
-                env[node.outputs[0]] = _BINARY[op](args[0], args[1])
+                out = _BINARY[op](args[0], args[1])
+            env[node.outputs[0]] = out.astype(np.float16) if half else out
         for name, t in zip(self.meta.outputs, self.outputs):
             np.copyto(self._view(t), env[name], casting="no")
 
@@ -197,6 +206,9 @@ class SimEp(Ep):
 
     def _supports(self, graph: GraphView, node: Node) -> bool:
         if node.domain not in ("", "ai.onnx") or node.op_type not in self.ops:
+            return False
+        opset = graph.opsets.get("", graph.opsets.get("ai.onnx", 0))
+        if opset < MIN_OPSET:
             return False
         if len(node.outputs) != 1 or node.implicit_inputs:
             return False

@@ -117,11 +117,14 @@ class DeviceMemory:
     def view(self, ptr: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """A writable uint8 numpy view of device memory, for backend code (kernels, loaders).
 
-        The view keeps the backing block alive.
+        The view keeps the backing block alive. A zero-byte range is valid at any address.
 
         Raises:
             DeviceError: the range is not inside one live allocation (an illegal address).
         """
+        if nbytes == 0:
+            # A zero-size range touches no memory (a zero-size tensor's buffer has address 0).
+            return np.empty(0, dtype=np.uint8)
         block, addr = self.resolve(ptr, nbytes)
         offset = addr - int(block.ctypes.data)
         return block[offset : offset + nbytes]
