@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import heapq
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,6 +288,52 @@ def _value_info(onnx: Any, vi: Any) -> ValueInfo:
     return ValueInfo(vi.name, int(tt.elem_type), shape)
 
 
+class _Values:
+    """The graph's value types, from ONNX shape inference run on first use; shared by the
+    views of one graph. Several threads may ask at once."""
+
+    def __init__(self, model: Any, initializers: Mapping[str, Initializer]) -> None:
+        self._model = model
+        self._initializers = initializers
+        self._protos: dict[str, Any] | None = None
+        self._infos: dict[str, ValueInfo] = {}
+        self._lock = threading.Lock()
+
+    def _infer(self) -> dict[str, Any]:
+        with self._lock:
+            if self._protos is None:
+                onnx = _onnx()
+                graph = self._model.graph
+                try:
+                    inferred = onnx.shape_inference.infer_shapes(
+                        _for_inference(onnx, self._model), strict_mode=False
+                    ).graph
+                    infos = [*inferred.input, *inferred.value_info, *inferred.output]
+                except Exception:  # inference is a help, not a requirement
+                    infos = [*graph.input, *graph.value_info, *graph.output]
+                protos: dict[str, Any] = {}
+                for vi in infos:
+                    protos.setdefault(vi.name, vi)
+                self._protos = protos
+            return self._protos
+
+    def get(self, name: str) -> ValueInfo | None:
+        info = self._infos.get(name)
+        if info is not None:
+            return info
+        proto = (self._protos or self._infer()).get(name)
+        if proto is not None:
+            info = _value_info(_onnx(), proto)
+        elif name in self._initializers:
+            init = self._initializers[name]
+            info = ValueInfo(name, int(init.proto.data_type), init.shape)
+        else:
+            return None
+        # Converted when first asked for: a large model has thousands of values.
+        self._infos[name] = info
+        return info
+
+
 class GraphView:
     """A read-only view of a model's main graph; build it with :meth:`from_model`.
 
@@ -299,29 +346,31 @@ class GraphView:
         "_assigned",
         "_consumers",
         "_model",
+        "_output_names",
+        "_outputs",
+        "_preds",
         "_producer",
-        "_value_infos",
-        "_value_protos",
+        "_values",
         "initializers",
         "inputs",
         "model_path",
         "nodes",
         "opsets",
-        "outputs",
     )
 
     _assigned: Mapping[int, str]
     _consumers: dict[str, tuple[int, ...]]
     _model: Any
     _producer: dict[str, int]
-    _value_infos: dict[str, ValueInfo]
-    _value_protos: dict[str, Any]
+    _output_names: tuple[str, ...]
+    _outputs: tuple[ValueInfo, ...] | None
+    _preds: tuple[frozenset[int], ...]
+    _values: _Values
     initializers: Mapping[str, Initializer]
     inputs: tuple[ValueInfo, ...]
     model_path: Path | None
     nodes: tuple[Node, ...]
     opsets: Mapping[str, int]
-    outputs: tuple[ValueInfo, ...]
 
     def __init__(self) -> None:
         raise TypeError("use GraphView.from_model(path_or_model_proto) to create a GraphView")
@@ -365,26 +414,12 @@ class GraphView:
         self.initializers = MappingProxyType(
             {t.name: Initializer(t, base_dir) for t in graph.initializer}
         )
-        try:
-            inferred = onnx.shape_inference.infer_shapes(
-                _for_inference(onnx, model), strict_mode=False
-            ).graph
-            infos = [*inferred.input, *inferred.value_info, *inferred.output]
-        except Exception:  # inference is a help, not a requirement
-            infos = [*graph.input, *graph.value_info, *graph.output]
-        protos: dict[str, Any] = {}
-        for vi in infos:
-            protos.setdefault(vi.name, vi)
-        # Converted when first asked for (a large model has thousands; a session on the CPU
-        # fallback alone asks for few).
-        self._value_protos = protos
-        self._value_infos = {}
+        self._values = _Values(model, self.initializers)
         self.inputs = tuple(
-            self._info(i.name, i) or _value_info(onnx, i)
-            for i in graph.input
-            if i.name not in self.initializers
+            _value_info(onnx, i) for i in graph.input if i.name not in self.initializers
         )
-        self.outputs = tuple(self._info(o.name, o) or _value_info(onnx, o) for o in graph.output)
+        self._outputs = None
+        self._output_names = tuple(o.name for o in graph.output)
 
         raw = list(graph.node)
         implicit: list[tuple[str, ...]] = []
@@ -401,27 +436,34 @@ class GraphView:
         nodes: list[Node] = []
         producer: dict[str, int] = {}
         consumers: dict[str, list[int]] = {}
+        preds: list[frozenset[int]] = []
         for index, old in enumerate(order):
             p = raw[old]
+            inputs = tuple(p.input)
+            all_inputs = tuple(dict.fromkeys(n for n in (*inputs, *implicit[old]) if n))
             node = _new_node(
                 index=index,
                 name=p.name,
                 op_type=p.op_type,
                 domain=p.domain,
-                inputs=tuple(p.input),
+                inputs=inputs,
                 outputs=tuple(p.output),
                 attributes=_Attributes(p.attribute),
                 implicit_inputs=implicit[old],
                 proto=p,
+                all_inputs=all_inputs,  # the cached property's value
             )
             nodes.append(node)
+            # Producers come first in topological order: they are all known by now.
+            preds.append(frozenset(producer[n] for n in all_inputs if n in producer))
             for out in node.outputs:
                 if out:
                     producer[out] = index
-            for name in node.all_inputs:
+            for name in all_inputs:
                 consumers.setdefault(name, []).append(index)
         self.nodes = tuple(nodes)
         self._producer = producer
+        self._preds = tuple(preds)
         self._consumers = {k: tuple(v) for k, v in consumers.items()}
 
     # -- queries ---------------------------------------------------------------------------
@@ -431,22 +473,22 @@ class GraphView:
         return self._model
 
     def value_info(self, name: str) -> ValueInfo | None:
-        """Type and shape of a value (graph input, output, intermediate or initializer)."""
-        info = self._value_infos.get(name)
-        return info if info is not None else self._info(name)
+        """Type and shape of a value (graph input, output, intermediate or initializer).
 
-    def _info(self, name: str, declared: Any = None) -> ValueInfo | None:
-        proto = self._value_protos.get(name, declared)
-        if proto is not None:
-            info = _value_info(_onnx(), proto)
-        elif name in self.initializers:
-            init = self.initializers[name]
-            info = ValueInfo(name, int(init.proto.data_type), init.shape)
-        else:
-            return None
-        # Several threads may convert the same name; they store equal values.
-        self._value_infos[name] = info
-        return info
+        The first call runs ONNX shape inference (a session that only uses the CPU
+        fallback never needs it).
+        """
+        return self._values.get(name)
+
+    @property
+    def outputs(self) -> tuple[ValueInfo, ...]:
+        """The graph outputs' :class:`ValueInfo` (shapes from inference)."""
+        if self._outputs is None:
+            onnx = _onnx()
+            self._outputs = tuple(
+                self._values.get(o.name) or _value_info(onnx, o) for o in self._model.graph.output
+            )
+        return self._outputs
 
     def producer(self, name: str) -> int | None:
         """Index of the node that produces ``name`` (None for inputs and initializers)."""
@@ -458,11 +500,7 @@ class GraphView:
 
     def predecessors(self, index: int) -> set[int]:
         """Indices of the nodes whose outputs node ``index`` reads."""
-        return {
-            p
-            for name in self.nodes[index].all_inputs
-            if (p := self._producer.get(name)) is not None
-        }
+        return set(self._preds[index])
 
     def successors(self, index: int) -> set[int]:
         """Indices of the nodes that read an output of node ``index``."""
@@ -475,7 +513,7 @@ class GraphView:
     @property
     def output_names(self) -> tuple[str, ...]:
         """Names of the graph outputs."""
-        return tuple(o.name for o in self.outputs)
+        return self._output_names
 
     def assigned_ep(self, index: int) -> str | None:
         """The EP that already claimed node ``index`` (during partitioning), or None."""

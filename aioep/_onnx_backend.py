@@ -31,7 +31,7 @@ import numpy.typing as npt
 
 from ._device import EpDevice
 from ._environment import Environment
-from ._errors import EpError, InvalidArgument, NotImplementedByEp
+from ._errors import ClosedError, EpError, InvalidArgument, NotImplementedByEp
 from ._session import Session
 from ._tensor import Tensor
 
@@ -103,12 +103,13 @@ class AioepBackendRep(BackendRep):
         self._backend = backend
         self._session: Session | None = session
         self._finalizer = weakref.finalize(self, backend._close_later, session)
+        backend._reps.add(self)
 
     @property
     def session(self) -> Session:
         """The aioep session behind this model."""
         if self._session is None:
-            raise EpError(f"{self!r} is closed")
+            raise ClosedError(f"{self!r} is closed")
         return self._session
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -121,7 +122,8 @@ class AioepBackendRep(BackendRep):
         outputs = _run_sync(self._backend._run, session, feeds)
         names = session.output_names
         values = [_to_numpy(outputs[name]) for name in names]
-        return tuple(namedtupledict("Outputs", names)(*values))
+        result: tuple[Any, ...] = namedtupledict("Outputs", names)(*values)
+        return result
 
     def close(self) -> None:
         """Close the session now (it is also closed after the object is garbage collected)."""
@@ -150,6 +152,11 @@ class AioepBackend(Backend):
     _lock: ClassVar[threading.Lock] = threading.Lock()
     _envs: ClassVar[dict[type[AioepBackend], Environment]] = {}
     _closing: ClassVar[list[tuple[type[AioepBackend], Session]]] = []
+    _reps: ClassVar[weakref.WeakSet[AioepBackendRep]] = weakref.WeakSet()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._reps = weakref.WeakSet()  # each backend class closes its own
 
     @classmethod
     def configure(
@@ -200,6 +207,8 @@ class AioepBackend(Backend):
     @classmethod
     def close(cls) -> None:
         """Close this backend's sessions and environment (a later call opens a new one)."""
+        for rep in list(cls._reps):
+            rep.close()
         cls._drain()
         with cls._lock:
             env = cls._envs.pop(cls, None)
@@ -414,6 +423,8 @@ def _close_all() -> None:
     """At interpreter exit: close what the backends still hold, without starting threads."""
     for cls in list(AioepBackend._envs):
         try:
+            for rep in list(cls._reps):
+                rep.close()
             cls._drain()
             env = AioepBackend._envs.pop(cls)
             env.close()

@@ -17,7 +17,7 @@ import enum
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -120,6 +120,13 @@ async def create_session(
             continue  # the host CPU is served by the fallback
         groups.setdefault(id(dev.factory), []).append(dev)
 
+    preload: Future[Any] | None = None
+    if not groups:
+        # Only the CPU fallback: it will run the whole model, so onnxruntime loads it while
+        # the graph view is built (a session then costs about what onnxruntime's own does).
+        pool = ThreadPoolExecutor(1, thread_name_prefix="aioep-ort-load")
+        preload = pool.submit(_load_whole, model, opts)
+        pool.shutdown(wait=False)  # the thread ends after the load; nothing waits for it here
     graph = await anyio.to_thread.run_sync(GraphView.from_model, model)
     eps: list[Ep] = []
     try:
@@ -144,7 +151,7 @@ async def create_session(
         session = Session._create(env, graph, eps)
         env._track_session(session, [d for devs in groups.values() for d in devs], open=True)
         try:
-            await session._prepare(opts)
+            await session._prepare(opts, preload)
         except BaseException:
             env._track_session(session, [d for devs in groups.values() for d in devs], open=False)
             raise
@@ -218,15 +225,16 @@ class Session(AsyncResource):
         self.assignment = ()
         return self
 
-    async def _prepare(self, opts: Mapping[str, Any]) -> None:
+    async def _prepare(self, opts: Mapping[str, Any], preload: Future[Any] | None) -> None:
         env, graph = self._env, self.graph
+        loading: Future[None] | None = None
         try:
             # Claims and graph checks can be long on a large model: off the loop.
             partitions = await anyio.to_thread.run_sync(partition_graph, graph, self._eps)
             self.assignment = assignment_of(graph, partitions)
             steps: list[_Step] = []
             by_ep: dict[str, list[_Step]] = {}
-            uploads: dict[tuple[str, MemoryDevice], Tensor] = {}
+            wanted: dict[tuple[str, MemoryDevice], tuple[MemoryInfo, SyncStream | None]] = {}
             for part in partitions:
                 if part.ep is None and not part.meta_def.outputs:
                     continue  # dead nodes: nothing reads what they make
@@ -240,20 +248,30 @@ class Session(AsyncResource):
                     stream = env.create_sync_stream(ep.ep_devices[0])
                     self._streams[ep.name] = stream
                 memory = ep.memory_info
-                names = [n for n in part.meta_def.inputs if n in graph.initializers]
-                # Reading an initializer may read its external file and convert it: one
-                # worker-thread call per partition keeps that off the event loop.
-                todo = [n for n in names if (n, memory.device) not in uploads]
-                if todo:
-                    arrays = await anyio.to_thread.run_sync(_read_initializers, graph, todo)
-                    for name, array in zip(todo, arrays):
-                        uploads[name, memory.device] = await self._upload(array, memory, stream)
-                constants = {n: uploads[n, memory.device] for n in names}
-                step = _Step(
-                    part, memory, stream, MappingProxyType(constants), part.meta_def.inputs
-                )
+                for name in part.meta_def.inputs:
+                    if name in graph.initializers:
+                        wanted.setdefault((name, memory.device), (memory, stream))
+                step = _Step(part, memory, stream, {}, part.meta_def.inputs)
                 steps.append(step)
                 by_ep.setdefault(ep.name, []).append(step)
+            cpu_steps = [s for s in steps if s.partition.ep is None]
+            if cpu_steps:
+                # onnxruntime builds the CPU parts while the EPs upload and compile theirs.
+                whole = len(cpu_steps) == 1 and len(cpu_steps[0].partition.nodes) == len(
+                    graph.nodes
+                )
+                if whole and preload is not None:
+                    with contextlib.suppress(Exception):  # else: load it again, for the error
+                        _use_whole(graph, cpu_steps[0], await self._wait(preload))
+                if cpu_steps[0].ort_session is None:
+                    loading = self._submit(_make_ort_sessions, graph, cpu_steps, opts, whole)
+            uploads = await self._upload_initializers(wanted)
+            for step in steps:
+                if step.partition.ep is not None:
+                    device = step.memory.device
+                    step.constants = MappingProxyType(
+                        {n: uploads[n, device] for n in step.inputs if (n, device) in uploads}
+                    )
             for ep in self._eps:
                 ep_steps = by_ep.get(ep.name, [])
                 if not ep_steps:
@@ -278,27 +296,43 @@ class Session(AsyncResource):
                             f"EP {ep.name!r}: compile returned {c!r}, not an aioep.CompiledNode"
                         )
                     s.compiled = c
-            cpu_steps = [s for s in steps if s.partition.ep is None]
-            if cpu_steps:
-                whole = len(cpu_steps) == 1 and len(cpu_steps[0].partition.nodes) == len(
-                    graph.nodes
-                )
-                await anyio.to_thread.run_sync(_make_ort_sessions, graph, cpu_steps, opts, whole)
+            if loading is not None:
+                await self._wait(loading)
             self._steps = steps
             if len(steps) == 1 and steps[0].partition.ep is None:
                 self._direct = steps[0]  # the whole graph on the CPU fallback
         except BaseException:
-            await self.aclose()
+            with anyio.CancelScope(shield=True):
+                if loading is not None:
+                    with contextlib.suppress(Exception):
+                        await self._wait(loading)  # never leave it loading behind our back
+                await self.aclose()
             raise
 
-    async def _upload(
-        self, array: npt.NDArray[Any], memory: MemoryInfo, stream: SyncStream | None
-    ) -> Tensor:
-        if memory.device.device_type is DeviceType.CPU:
-            return Tensor.from_numpy(array)
-        dst = self._env.empty(array.shape, array.dtype, memory, stream=stream)
-        await self._env.copy_tensors([array], [dst], stream)
-        return dst
+    async def _upload_initializers(
+        self, wanted: Mapping[tuple[str, MemoryDevice], tuple[MemoryInfo, SyncStream | None]]
+    ) -> dict[tuple[str, MemoryDevice], Tensor]:
+        """The initializers EP partitions read, in each EP's memory: read in one worker-thread
+        call (external files, conversions), then copied with one batch per device."""
+        if not wanted:
+            return {}
+        names = list(dict.fromkeys(name for name, _ in wanted))
+        arrays = dict(
+            zip(names, await anyio.to_thread.run_sync(_read_initializers, self.graph, names))
+        )
+        uploads: dict[tuple[str, MemoryDevice], Tensor] = {}
+        batches: dict[tuple[MemoryDevice, SyncStream | None], list[tuple[Any, Tensor]]] = {}
+        for (name, device), (memory, stream) in wanted.items():
+            array = arrays[name]
+            if device.device_type is DeviceType.CPU:
+                uploads[name, device] = Tensor.from_numpy(array)
+                continue
+            dst = self._env.empty(array.shape, array.dtype, memory, stream=stream)
+            uploads[name, device] = dst
+            batches.setdefault((device, stream), []).append((array, dst))
+        for (_, stream), pairs in batches.items():
+            await self._env.copy_tensors([a for a, _ in pairs], [d for _, d in pairs], stream)
+        return uploads
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -633,12 +667,19 @@ class Session(AsyncResource):
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn`` on the session's worker threads; cancelling abandons only the wait."""
+        return await self._wait(self._submit(fn, *args))
+
+    def _submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="aioep-session"
             )
-        fut = self._executor.submit(fn, *args)
+        # The arguments travel in a box the worker empties: the executor's work item outlives
+        # the call by a moment on its thread, and must not keep a run's tensors alive then.
+        return self._executor.submit(_call_boxed, [(fn, args)])
 
+    @staticmethod
+    async def _wait(fut: Future[_T]) -> _T:
         def register(wake: Callable[[], None]) -> bool:
             fut.add_done_callback(lambda _: wake())
             return True
@@ -688,11 +729,15 @@ class Session(AsyncResource):
                     with contextlib.suppress(Exception):
                         await note
             self._held.clear()
+            ort_sessions = []
             for step in self._steps:
                 if step.compiled is not None:
                     step.compiled.release()
+                ort_sessions.append(step.ort_session)
                 step.ort_session = None
             self._steps = []
+            # Destroying an onnxruntime session joins its thread pool: not on the event loop.
+            await anyio.to_thread.run_sync(ort_sessions.clear)
             for ep in self._eps:
                 ep.release()
             if self._executor is not None:
@@ -710,6 +755,11 @@ class Session(AsyncResource):
     def __repr__(self) -> str:
         eps = sorted(set(self.assignment)) or [CPU_EP_NAME]
         return f"<Session {self._state.value} nodes={len(self.graph.nodes)} eps={eps}>"
+
+
+def _call_boxed(box: list[tuple[Callable[..., _T], tuple[Any, ...]]]) -> _T:
+    fn, args = box.pop()
+    return fn(*args)
 
 
 async def _order(value: _Value, target: SyncStream | None) -> None:
@@ -791,22 +841,64 @@ def _run_ort(session: Any, feeds: dict[str, Any]) -> list[Any]:
         raise DeviceError(f"onnxruntime CPU fallback failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _make_ort_sessions(
-    graph: GraphView, steps: Sequence[_Step], opts: Mapping[str, Any], whole: bool
-) -> None:
+def _ort() -> Any:
     try:
         import onnxruntime as ort
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise NotImplementedByEp(
             "the CPU fallback needs onnxruntime: pip install 'aioep[onnx]'"
         ) from exc
-    so = ort.SessionOptions()
+    return ort
+
+
+def _session_options(opts: Mapping[str, Any]) -> Any:
+    so = _ort().SessionOptions()
     for key in ("intra_op_num_threads", "inter_op_num_threads"):
         if opts.get(key) is not None:
             setattr(so, key, int(opts[key]))
+    return so
+
+
+def _load_whole(model: Any, opts: Mapping[str, Any]) -> Any:
+    """An onnxruntime session for a whole model given as a path or a proto (a copy with a
+    capped IR version where the installed onnxruntime needs one); raises on any trouble."""
+    ort = _ort()
+    if isinstance(model, (str, os.PathLike)):
+        source: Any = os.fspath(model)
+    else:
+        ir_version = ir_version_for_ort(model)
+        if ir_version != model.ir_version:
+            copy = type(model)()
+            copy.CopyFrom(model)
+            copy.ir_version = ir_version
+            model = copy
+        source = model.SerializeToString()
+    return ort.InferenceSession(source, _session_options(opts), providers=["CPUExecutionProvider"])
+
+
+def _use_whole(graph: GraphView, step: _Step, session: Any) -> None:
+    outputs = tuple(o.name for o in session.get_outputs())
+    if any(o not in outputs for o in step.partition.meta_def.outputs):
+        raise EpError("the whole-model session lacks an output")  # load it the usual way
+    step.ort_session = session
+    step.ort_outputs = outputs
+    step.inputs = tuple(i.name for i in graph.inputs)
+
+
+def _make_ort_sessions(
+    graph: GraphView, steps: Sequence[_Step], opts: Mapping[str, Any], whole: bool
+) -> None:
+    ort = _ort()
+    so = _session_options(opts)
+    if len(steps) > 1:
+        # Each part has its own intra-op thread pool, and a pool spins after its work in
+        # case more comes: the next part's pool would compete with it for the cores (and
+        # a spinning pool takes ~30 ms to shut down). Parts run one after another: no spin.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if whole and ir_version_for_ort(graph.model) != graph.model.ir_version:
         whole = False  # hand onnxruntime a copy stamped with an IR version it loads
-    for step in steps:
+
+    def load(step: _Step) -> None:
         meta = step.partition.meta_def
         if whole:
             source: Any = (
@@ -818,7 +910,6 @@ def _make_ort_sessions(
         else:
             sub = graph.extract_model(step.partition.nodes, meta.inputs, meta.outputs)
             source = sub.SerializeToString()
-        outputs = meta.outputs
         try:
             sess = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
         except Exception as exc:
@@ -828,9 +919,19 @@ def _make_ort_sessions(
             ) from exc
         step.ort_session = sess
         step.ort_outputs = tuple(o.name for o in sess.get_outputs())
-        missing = [o for o in outputs if o not in step.ort_outputs]
+        missing = [o for o in meta.outputs if o not in step.ort_outputs]
         if missing:
             raise EpError(f"CPU fallback part {meta.name!r} does not produce {missing}")
+
+    if len(steps) == 1:
+        load(steps[0])
+        return
+    # Parts between EP partitions are many small sessions; onnxruntime builds them with the
+    # GIL released, so they load side by side.
+    workers = min(len(steps), os.cpu_count() or 1, 8)
+    with ThreadPoolExecutor(workers, thread_name_prefix="aioep-ort-load") as pool:
+        for fut in [pool.submit(load, step) for step in steps]:
+            fut.result()
 
 
 def _read_initializers(graph: GraphView, names: list[str]) -> list[npt.NDArray[Any]]:

@@ -172,3 +172,76 @@ def test_subgraph_reads_are_implicit_inputs() -> None:
     assert node_if.implicit_inputs == ("a",)
     assert g.predecessors(1) == {0}
     assert g.boundary([1]) == (("cond", "a"), ("y",))
+
+
+def test_value_kinds_and_host_only_values() -> None:
+    seq_t = h.make_sequence_type_proto(h.make_tensor_type_proto(TP.FLOAT, None))
+    opt_t = h.make_optional_type_proto(h.make_tensor_type_proto(TP.FLOAT, [2]))
+    nodes = [
+        h.make_node("SplitToSequence", ["x"], ["seq"], axis=0),
+        h.make_node("Identity", ["opt"], ["o"]),
+        h.make_node("Cast", ["x"], ["s"], to=TP.STRING),
+        h.make_node("Add", ["x", "x"], ["a"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [_vi("x", [2, 2]), h.make_value_info("opt", opt_t)],
+        [
+            h.make_value_info("seq", seq_t),
+            h.make_value_info("o", opt_t),
+            _vi("s", [2, 2], TP.STRING),
+            _vi("a", [2, 2]),
+        ],
+    )
+    g = GraphView.from_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]))
+    kinds = {
+        n: (g.value_info(n).kind, g.value_info(n).is_device_tensor)
+        for n in ("x", "seq", "opt", "s", "a")
+    }
+    assert kinds == {
+        "x": ("tensor", True),
+        "seq": ("sequence", False),
+        "opt": ("optional", False),
+        "s": ("tensor", False),  # strings live on the host
+        "a": ("tensor", True),
+    }
+    assert g.value_info("s").dtype == np.dtype(object)
+    assert g.value_info("seq").type_proto.HasField("sequence_type")
+    # A sub-model keeps a sequence value's type at its boundary.
+    sub = g.extract_model([0], ["x"], ["seq"])
+    assert sub.graph.output[0].type.HasField("sequence_type")
+    (parts,) = ort.InferenceSession(
+        sub.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, {"x": np.ones((2, 2), np.float32)})
+    assert len(parts) == 2
+
+
+def test_unknown_types_and_lazy_attributes() -> None:
+    nodes = [h.make_node("CustomOp", ["x"], ["y"], domain="custom", alpha=1.5, name="c")]
+    graph = h.make_graph(nodes, "g", [_vi("x", [2])], [h.make_empty_tensor_value_info("y")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("custom", 1)])
+    g = GraphView.from_model(model)
+    assert g.value_info("y").kind == "unknown"
+    assert not g.value_info("y").is_device_tensor
+    assert g.value_info("nothing") is None
+    attrs = g.nodes[0].attributes
+    assert len(attrs) == 1
+    assert dict(attrs) == {"alpha": pytest.approx(1.5)}
+    with pytest.raises(KeyError):
+        attrs["beta"]
+
+
+def test_shape_inference_keeps_small_initializer_values_without_the_weights() -> None:
+    # The weights are left out of shape inference; Reshape's target shape is kept.
+    big = onnx.numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    shape = onnx.numpy_helper.from_array(np.array([4096], np.int64), "shape")
+    nodes = [
+        h.make_node("Add", ["x", "w"], ["a"]),
+        h.make_node("Reshape", ["a", "shape"], ["y"]),
+    ]
+    g = GraphView.from_model(_model(nodes, [_vi("x", [64, 64])], [_vi("y", None)], [big, shape]))
+    assert g.value_info("a").shape == (64, 64)
+    assert g.value_info("y").shape == (4096,)
+    assert g.value_info("w").shape == (64, 64)
+    assert [i.name for i in g.inputs] == ["x"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import importlib.util
 import os
@@ -540,3 +541,66 @@ def test_webgpu(name: str, request: pytest.FixtureRequest) -> None:
                 )
             )
     assert error is None, error
+
+
+# -- the backend interface ----------------------------------------------------------------------
+def _add_model() -> Any:
+    h = onnx.helper
+    vi = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [3]) for n in ("x", "y", "z")]
+    graph = h.make_graph([h.make_node("Add", ["x", "y"], ["z"])], "g", vi[:2], vi[2:])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_backend_interface() -> None:
+    pytest.importorskip("aioep_sim")
+    backend = aioep.onnx_backend
+    assert backend.supports_device("CPU")
+    assert not backend.supports_device("CUDA")
+    x, y = np.arange(3, dtype=np.float32), np.ones(3, np.float32)
+    rep = backend.prepare(_add_model())
+    assert rep.session.assignment == ("SimExecutionProvider",)  # the sim device by default
+    (z,) = rep.run([x, y])
+    np.testing.assert_array_equal(z, x + y)
+    assert rep.run({"x": x, "y": y})["z"].tolist() == [1, 2, 3]
+    with pytest.raises(aioep.InvalidArgument, match="1 input"):
+        rep.run([x])
+    rep.close()
+    rep.close()
+    with pytest.raises(aioep.ClosedError, match="closed"):
+        rep.run([x, y])
+    assert backend.run_model(_add_model(), [x, y])[0].tolist() == [1, 2, 3]
+    node = onnx.helper.make_node("Mul", ["a", "b"], ["c"])
+    (c,) = backend.run_node(node, [x, np.array(2, np.float32)])
+    np.testing.assert_array_equal(c, x * 2)
+    with pytest.raises(aioep.InvalidArgument, match="not supported"):
+        backend.prepare(_add_model(), "CUDA")
+    with pytest.raises(aioep.InvalidArgument, match="unknown keyword"):
+        backend.prepare(_add_model(), bogus=1)
+    # Dropped reps are closed at the next call.
+    backend.prepare(_add_model())
+    gc.collect()
+    assert [s for owner, s in AioepBackend._closing if owner is AioepBackend]
+    backend.prepare(_add_model()).close()
+    assert not [s for owner, s in AioepBackend._closing if owner is AioepBackend]
+
+
+def test_configured_backends() -> None:
+    cpu_only = AioepBackend.configure(ep_devices=None, environment_options={"autoload": False})
+    try:
+        rep = cpu_only.prepare(_add_model())
+        assert rep.session.assignment == ("CPUExecutionProvider",)
+        rep.close()
+        nowhere = AioepBackend.configure(ep_devices=["NoSuchExecutionProvider"])
+        with pytest.raises(aioep.InvalidArgument, match="no EP devices named"):
+            nowhere.prepare(_add_model())
+        nowhere.close()
+        with pytest.raises(aioep.InvalidArgument, match="ep_devices"):
+            AioepBackend.configure(ep_devices="sim")
+    finally:
+        cpu_only.close()
+
+
+@pytest.mark.anyio
+async def test_the_blocking_backend_refuses_to_run_on_an_event_loop() -> None:
+    with pytest.raises(aioep.EpError, match="event loop"):
+        aioep.onnx_backend.prepare(_add_model())

@@ -40,6 +40,7 @@ _OPS: dict[str, Callable[..., Any]] = {
     "Relu": lambda x: np.maximum(x, 0),
     "MatMul": np.matmul,
     "Tanh": np.tanh,
+    "Identity": lambda x: x,
 }
 
 Claim = Callable[[GraphView], list[IndexedSubGraph]]
@@ -668,3 +669,183 @@ async def test_environment_exit_closes_and_reports_an_open_session() -> None:
         await env.aclose()
     assert sess.closed
     assert env.state == "closed"
+
+
+# -- values ONNX's conformance suite exercises -----------------------------------------------
+SIM = "SimExecutionProvider"
+
+
+def _scalar_model() -> Any:
+    """Gemm with a 0-d bias c, then ReduceSum to a 0-d output; Add/Relu for the EPs."""
+    nodes = [
+        h.make_node("Gemm", ["a", "b", "c"], ["g"]),
+        h.make_node("Relu", ["g"], ["r"]),
+        h.make_node("ReduceSum", ["r"], ["s"], keepdims=0),
+        h.make_node("Add", ["s", "c"], ["y"]),
+    ]
+    return _model(
+        nodes, [_vi("a", [2, 3]), _vi("b", [3, 4]), _vi("c", [])], [_vi("y", []), _vi("r", [2, 4])]
+    )
+
+
+@pytest.mark.parametrize("on_sim", [False, True])
+async def test_scalar_inputs_and_outputs_keep_their_shape(on_sim: bool) -> None:
+    async with sim_environment() as (env, sims):
+        model = _scalar_model()
+        async with await env.create_session(model, sims[:1] if on_sim else []) as sess:
+            assert (SIM in sess.assignment) is on_sim
+            rng = np.random.default_rng(0)
+            feeds = {
+                "a": rng.standard_normal((2, 3)).astype(np.float32),
+                "b": rng.standard_normal((3, 4)).astype(np.float32),
+                "c": np.array(0.5, np.float32),  # 0-d
+            }
+            out = await sess.run(feeds, output_location="host")
+            assert out["y"].shape == ()
+            assert_matches(out, reference(model, feeds))
+            with pytest.raises(InvalidArgument, match=r"has shape \(1,\), the model expects \[\]"):
+                await sess.run({**feeds, "c": np.array([0.5], np.float32)})
+
+
+async def test_zero_size_tensors_run_on_the_sim_device() -> None:
+    async with sim_environment() as (env, sims):
+        nodes = [h.make_node("Add", ["x", "x"], ["a"]), h.make_node("Relu", ["a"], ["y"])]
+        model = _model(nodes, [_vi("x", ["N", 3])], [_vi("y", ["N", 3])])
+        async with await env.create_session(model, [sims[0]]) as sess:
+            assert sess.assignment == (SIM, SIM)
+            out = await sess.run({"x": np.zeros((0, 3), np.float32)}, output_location="host")
+            assert out["y"].shape == (0, 3)
+            assert out["y"].numpy().shape == (0, 3)
+
+
+async def test_nodes_nothing_reads_are_not_claimed_or_run() -> None:
+    async with environment(ep=claim_ops("Add", "Relu", fuse=False)) as (env, devs):
+        const = h.make_tensor("v", TP.FLOAT, [1], [2.0])
+        nodes = [
+            h.make_node("Constant", [], ["k"], value=const),  # nothing reads k
+            h.make_node("Add", ["x", "x"], ["a"]),
+            h.make_node("Relu", ["a"], ["dead"]),  # nothing reads dead either
+            h.make_node("Exp", ["a"], ["y"]),
+        ]
+        model = _model(nodes, [_vi("x", [3])], [_vi("y", [3])])
+        async with await env.create_session(model, [devs["ep"]]) as sess:
+            assert sess.assignment == (CPU, "ep", CPU, CPU)
+            x = np.arange(3, dtype=np.float32)
+            assert_matches(await sess.run({"x": x}), reference(model, {"x": x}))
+
+
+def _string_model() -> Any:
+    """s (strings) -> StringConcat -> Identity; x -> Add -> Identity: one of each."""
+    nodes = [
+        h.make_node("StringConcat", ["s", "s"], ["n"]),
+        h.make_node("Identity", ["n"], ["t"]),
+        h.make_node("Add", ["x", "x"], ["a"]),
+        h.make_node("Identity", ["a"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [_vi("s", [3], TP.STRING), _vi("x", [3])],
+        [_vi("t", [3], TP.STRING), _vi("y", [3])],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+
+
+async def test_string_tensors_pass_through_the_cpu_fallback() -> None:
+    async with environment(ep=claim_ops("Add", "Identity", fuse=False)) as (env, devs):
+        model = _string_model()
+        async with await env.create_session(model, [devs["ep"]]) as sess:
+            # The Identity of strings is left to the fallback: EP values are device tensors.
+            assert sess.assignment == (CPU, CPU, "ep", "ep")
+            for given in (np.array(["ab", "Cd", "e"]), np.array(["ab", "Cd", "e"], object)):
+                out = await sess.run({"s": given, "x": np.ones(3, np.float32)})
+                assert out["t"].dtype == object
+                assert out["t"].is_host_accessible
+                assert out["t"].numpy().tolist() == ["abab", "CdCd", "ee"]
+                np.testing.assert_array_equal(out["y"].numpy(), np.full(3, 2, np.float32))
+            with pytest.raises(InvalidArgument, match="Python objects"):
+                await aioep.copy_tensors([out["t"]], [np.empty(3, object)])
+            with pytest.raises(InvalidArgument, match="input 'x' has dtype <U1"):
+                await sess.run({"s": given, "x": np.array(["a", "b", "c"])})
+            del out  # EP outputs hold allocator buffers
+
+
+def _sequence_model() -> Any:
+    """x -> SplitToSequence -> seq (CPU); x -> Add (EP); SequenceInsert(seq, a) (CPU):
+    a sequence crosses from one CPU part to a later one, and is a graph output; opt is an
+    optional input passed through Identity."""
+    seq_t = h.make_sequence_type_proto(h.make_tensor_type_proto(TP.FLOAT, None))
+    opt_t = h.make_optional_type_proto(h.make_tensor_type_proto(TP.FLOAT, [2]))
+    nodes = [
+        h.make_node("SplitToSequence", ["x"], ["seq"], axis=0),
+        h.make_node("Add", ["x", "x"], ["a"]),
+        h.make_node("SequenceInsert", ["seq", "a"], ["out"]),
+        h.make_node("Identity", ["opt"], ["opt_out"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [_vi("x", [2, 2]), h.make_value_info("opt", opt_t)],
+        [h.make_value_info("out", seq_t), h.make_value_info("opt_out", opt_t)],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+
+
+async def test_sequences_and_optionals_pass_through_the_cpu_fallback() -> None:
+    async with environment(ep=claim_ops("Add", "Identity")) as (env, devs):
+        model = _sequence_model()
+        async with await env.create_session(model, [devs["ep"]]) as sess:
+            assert sess.assignment == (CPU, "ep", CPU, CPU)
+            x = np.arange(4, dtype=np.float32).reshape(2, 2)
+            out = await sess.run({"x": x, "opt": None})
+            assert out["opt_out"] is None
+            assert isinstance(out["out"], list)
+            assert all(isinstance(t, Tensor) for t in out["out"])
+            want = [x[:1], x[1:], x + x]
+            for got, expected in zip(out["out"], want, strict=True):
+                np.testing.assert_array_equal(got.numpy(), expected)
+            out = await sess.run({"x": x, "opt": np.ones(2, np.float32)})
+            np.testing.assert_array_equal(out["opt_out"].numpy(), np.ones(2, np.float32))
+            with pytest.raises(InvalidArgument, match="input 'x'"):
+                await sess.run({"x": [x], "opt": None})
+            del out, got
+
+
+async def test_a_sequence_input_needs_a_list() -> None:
+    seq_t = h.make_sequence_type_proto(h.make_tensor_type_proto(TP.FLOAT, None))
+    nodes = [h.make_node("SequenceLength", ["s"], ["n"])]
+    graph = h.make_graph(nodes, "g", [h.make_value_info("s", seq_t)], [_vi("n", [], TP.INT64)])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    async with environment() as (env, _), await env.create_session(model) as sess:
+        out = await sess.run({"s": [np.ones(2, np.float32), np.zeros(3, np.float32)]})
+        assert out["n"].numpy() == 2
+        with pytest.raises(InvalidArgument, match="input 's' is a sequence"):
+            await sess.run({"s": np.ones(2, np.float32)})
+
+
+async def test_sim_computes_float16_in_float32_and_skips_old_opsets() -> None:
+    async with sim_environment() as (env, sims):
+        rng = np.random.default_rng(7)
+        a = rng.random((4, 64)).astype(np.float16)
+        b = rng.random((64, 5)).astype(np.float16)
+        nodes = [h.make_node("MatMul", ["a", "b"], ["y"])]
+        model = _model(
+            nodes,
+            [_vi("a", [4, 64], TP.FLOAT16), _vi("b", [64, 5], TP.FLOAT16)],
+            [_vi("y", [4, 5], TP.FLOAT16)],
+        )
+        async with await env.create_session(model, [sims[0]]) as sess:
+            assert sess.assignment == (SIM,)
+            out = await sess.run({"a": a, "b": b}, output_location="host")
+            want = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float16)
+            np.testing.assert_array_equal(out["y"].numpy(), want)
+        # Before opset 7, Add broadcasts by its 'broadcast'/'axis' attributes: not the sim's.
+        old = h.make_model(
+            h.make_graph(
+                [h.make_node("Add", ["x", "x"], ["y"])], "g", [_vi("x", [3])], [_vi("y", [3])]
+            ),
+            opset_imports=[h.make_opsetid("", 6)],
+        )
+        graph = GraphView.from_model(old)
+        ep = sims[0].factory.create_ep([sims[0]], None)
+        assert ep.get_capability(graph) == []

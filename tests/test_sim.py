@@ -143,6 +143,19 @@ async def test_illegal_device_address_faults(make_env: MakeEnv) -> None:
         await aioep.copy_tensors([bogus], [np.zeros(16, np.uint8)])
 
 
+async def test_zero_byte_ranges_are_valid_anywhere(make_env: MakeEnv) -> None:
+    env = await make_env()
+    dev = sim_devices(env)[0]
+    info = dev.memory_info(MemoryType.DEFAULT)
+    assert info is not None
+    empty = env.empty((0, 4), "float32", info)
+    assert empty.buffer.ptr == 0  # a zero-size allocation has no address
+    memory = dev.factory.device(info).memory
+    assert memory.view(empty.data_ptr, 0).nbytes == 0
+    with pytest.raises(aioep.DeviceError, match="illegal address"):
+        memory.view(0, 1)
+
+
 # -- options -----------------------------------------------------------------------------------
 
 

@@ -247,3 +247,22 @@ def test_pinned_memory_dlpack_device_matches_its_export() -> None:
     view = np.from_dlpack(tensor)
     assert np.shares_memory(view, host)
     np.testing.assert_array_equal(view, host)
+
+
+def test_string_tensors_from_sessions_are_host_only_and_read_only() -> None:
+    strings = np.array([["a", "bc"], ["", "d"]], dtype=object)
+    t = aioep.Tensor._of_objects(strings)
+    assert t.shape == (2, 2)
+    assert t.dtype == object
+    assert t.is_host_accessible
+    view = t.numpy()
+    assert view.tolist() == strings.tolist()
+    assert not view.flags.writeable
+    assert t.buffer.readonly
+    with pytest.raises(BufferError):
+        t.__dlpack__()
+    with pytest.raises(aioep.InvalidArgument, match="Python objects"):
+        aioep.Tensor.from_numpy(strings)
+    scalar = aioep.Tensor._of_objects(np.array("x", dtype=object))
+    assert scalar.shape == ()
+    assert scalar.numpy().item() == "x"
