@@ -598,3 +598,130 @@ async def test_session_runs_on_the_real_webgpu_ep(webgpu_path: str) -> None:
             out = await sess.run({"x": x}, output_location="host")
             np.testing.assert_allclose(out["y"].numpy(), expected, rtol=1e-5, atol=1e-6)
             del out
+
+
+async def test_outputs_keep_the_library_registered_until_collected(webgpu_path: str) -> None:
+    """An output ORT handed back from a plugin partition is ORT-owned memory that the
+    plugin library's code may free: it keeps the library registered with ORT after its
+    environment closed, and the library is unregistered once the output (and every view
+    of it) is gone."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "xy"]
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", vi[:1], vi[1:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    def webgpu_registered() -> bool:
+        return any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
+
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu-outputs", webgpu_path)
+        async with await env.create_session(model, [dev]) as sess:
+            out = await sess.run({"x": np.arange(4, dtype=np.float32)}, output_location="host")
+    view = out["y"].numpy()[1:]
+    del out
+    gc.collect()
+    assert webgpu_registered(), "the library was unregistered under a live output"
+    np.testing.assert_array_equal(view, [2.0, 4.0, 6.0])
+    del view
+    gc.collect()
+    assert not webgpu_registered(), "the library stayed registered after its outputs went"
+
+
+# -- OpenVINO's plugin EP (onnxruntime-ep-openvino, on the CPU) -------------------------------
+_OPENVINO_PROBE = """
+import onnxruntime as ort, onnxruntime_ep_openvino as ov
+ort.register_execution_provider_library("probe", ov.get_library_path())
+names = [d.ep_name for d in ort.get_ep_devices()]
+print(sum(n == ov.get_ep_name() for n in names))
+"""
+
+
+@cache
+def _openvino_skip_reason() -> str | None:
+    if importlib.util.find_spec("onnxruntime_ep_openvino") is None:
+        return "onnxruntime-ep-openvino is not installed (pip install -e 'backends/ort[openvino]')"
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPENVINO_PROBE], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        return f"the OpenVINO plugin library failed to load (exit code {proc.returncode})"
+    if proc.stdout.strip() == "0":
+        # OpenVINO's factory offers devices only for hardware it supports (Intel CPUs and
+        # GPUs): on other processors it registers and lists none.
+        return "OpenVINO's plugin EP offers no device on this machine's processor"
+    return None
+
+
+@pytest.fixture
+def openvino_path() -> str:
+    reason = _openvino_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import onnxruntime_ep_openvino  # type: ignore[import-untyped]
+
+    return str(onnxruntime_ep_openvino.get_library_path())
+
+
+def _light_model(name: str) -> str:
+    import onnx
+
+    path = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", name)
+    if not os.path.exists(path):
+        pytest.skip(f"the installed onnx wheel has no {name}")
+    return path
+
+
+async def test_openvino_session_matches_onnxruntime(openvino_path: str) -> None:
+    """Registration, a device copy and a session on a light model through OpenVINO's
+    plugin EP; outputs match onnxruntime's CPU EP."""
+    import onnx
+    from _baseline import ort_baseline
+
+    model = onnx.load(_light_model("light_squeezenet.onnx"))
+    name = model.graph.input[0].name
+    x = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
+    expected = ort_baseline(model).run(None, {name: x})[0]
+    async with aioep.Environment(autoload=False) as env:
+        (dev, *_) = env.register_library("openvino", openvino_path)
+        h = np.arange(16, dtype=np.float32)
+        t = env.empty((16,), "float32", dev.memory_info())
+        back = np.zeros_like(h)
+        await aioep.copy_tensors([h], [t])
+        await aioep.copy_tensors([t], [back])
+        np.testing.assert_array_equal(back, h)
+        del t
+        async with await env.create_session(model, [dev]) as sess:
+            out = await sess.run({name: x}, output_location="host")
+            (y,) = out.values()
+            np.testing.assert_allclose(y.numpy(), expected, rtol=1e-3, atol=1e-4)
+            del out, y
+
+
+def test_openvino_output_outliving_its_environment_survives(openvino_path: str) -> None:
+    """The crash the ort backend had: a session output that outlives its environment was
+    released after ORT unregistered the library whose allocator owns it (SIGSEGV)."""
+    code = f"""
+    import anyio, numpy as np, onnx, onnxruntime, aioep, onnxruntime_ep_openvino as ov
+    path = {_light_model("light_squeezenet.onnx")!r}
+    model = onnx.load(path)
+    name = model.graph.input[0].name
+    x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
+
+    async def main():
+        async with aioep.Environment(autoload=False) as env:
+            dev = env.register_library("openvino", ov.get_library_path())[0]
+            async with await env.create_session(model, ep_devices=[dev]) as sess:
+                out = await sess.run({{name: x}}, output_location="host")
+        return out
+
+    out = anyio.run(main)
+    onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {{name: x}})
+    del out
+    import gc; gc.collect()
+    print("SURVIVED")
+    """
+    proc = _run_child(code)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "SURVIVED" in proc.stdout, proc.stdout

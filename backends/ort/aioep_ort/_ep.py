@@ -8,6 +8,12 @@ ORT then partitions the sub-model between the plugin EP and its own CPU EP, and
 does the plugin's device copies itself. The inputs and outputs of a compiled
 group are host tensors (``memory_info`` is host memory), so the session copies
 to and from other devices around it; each call runs ORT in a worker thread.
+
+The arrays ``InferenceSession.run`` returns do not own their memory: ORT's tensor does,
+and a plugin EP may have allocated it (OpenVINO's host outputs come from the plugin's
+allocator), so freeing it runs the plugin library's code. Each such output therefore
+counts as a live value of the library's registration (see ``_registry``) until its last
+view is gone: the library is unregistered from ORT only after that.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from aioep._graph import GraphView
 from aioep._tensor import HOST_MEMORY_INFO
 
 from ._ort import ort, translate
+from ._registry import Registration
 
 __all__ = ["OrtPluginEp"]
 
@@ -35,6 +42,34 @@ def _contiguous(array: Any) -> Any:
     return np.ascontiguousarray(array).reshape(array.shape)
 
 
+class _OrtOutput:
+    """The numpy base of one ORT-owned output: holds ORT's array and the registrations of
+    the libraries whose code may free it, counted as live values until it is collected."""
+
+    __slots__ = ("__array_interface__", "_array", "_registrations")
+
+    def __init__(self, array: Any, registrations: Sequence[Registration]) -> None:
+        for reg in registrations:
+            reg.value_created()
+        self._registrations = registrations
+        self._array = array
+        self.__array_interface__ = array.__array_interface__
+
+    def __del__(self) -> None:
+        # ORT's buffer goes first: its deleter may be the plugin library's code.
+        self._array = None
+        for reg in self._registrations:
+            reg.value_released()
+
+
+def _owned_by_aioep(array: Any, registrations: Sequence[Registration]) -> Any:
+    """``array`` (C order, shape kept) as memory whose release cannot outlive the library."""
+    array = _contiguous(array)
+    if array.base is None or not registrations:
+        return array
+    return np.asarray(_OrtOutput(array, registrations))
+
+
 def _device_value(graph: GraphView, name: str) -> bool:
     info = graph.value_info(name)
     return info is not None and info.is_device_tensor
@@ -43,11 +78,19 @@ def _device_value(graph: GraphView, name: str) -> bool:
 class _OrtGroup(CompiledNode):
     """One fused group run by an ORT session with the plugin EP."""
 
-    def __init__(self, session: Any, meta: MetaDef, feeds: Sequence[str], ep_name: str) -> None:
+    def __init__(
+        self,
+        session: Any,
+        meta: MetaDef,
+        feeds: Sequence[str],
+        ep_name: str,
+        registrations: Sequence[Registration] = (),
+    ) -> None:
         self._session = session
         self._meta = meta
         self._feeds = frozenset(feeds)
         self._ep_name = ep_name
+        self._registrations = tuple(registrations)
         order = [o.name for o in session.get_outputs()]
         self._positions = [order.index(name) for name in meta.outputs]
 
@@ -60,7 +103,8 @@ class _OrtGroup(CompiledNode):
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
         feeds = {n: t.numpy() for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
         results = await anyio.to_thread.run_sync(self._run, feeds)
-        return [Tensor.from_numpy(_contiguous(results[i])) for i in self._positions]
+        regs = self._registrations
+        return [Tensor.from_numpy(_owned_by_aioep(results[i], regs)) for i in self._positions]
 
     def release(self) -> None:
         self._session = None
@@ -74,6 +118,8 @@ class OrtPluginEp(Ep):
         ort_devices: the ``onnxruntime`` EP devices to select (``ort.get_ep_devices()`` items).
         options: provider options for ``add_provider_for_devices`` (values become str).
         check: called before sessions are created (e.g. to probe that the device works).
+        registrations: the ORT registrations of the plugin libraries behind ``ort_devices``;
+            outputs ORT hands back keep them registered while they live.
     """
 
     def __init__(
@@ -83,6 +129,7 @@ class OrtPluginEp(Ep):
         options: Mapping[str, Any] | None = None,
         *,
         check: Callable[[], None] | None = None,
+        registrations: Sequence[Registration] = (),
     ) -> None:
         super().__init__()
         if not ort_devices:
@@ -92,6 +139,7 @@ class OrtPluginEp(Ep):
         self._ort_devices = list(ort_devices)
         self._provider_options = {str(k): str(v) for k, v in (options or {}).items()}
         self._check = check
+        self._registrations = tuple(registrations)
 
     @property
     def memory_info(self) -> MemoryInfo:
@@ -135,5 +183,5 @@ class OrtPluginEp(Ep):
                     exc, f"{self.name}: creating the onnxruntime session for {meta.name!r}"
                 ) from exc
             feeds = [n for n in meta.inputs if n not in graph.initializers]
-            compiled.append(_OrtGroup(session, meta, feeds, self.name))
+            compiled.append(_OrtGroup(session, meta, feeds, self.name, self._registrations))
         return compiled

@@ -398,7 +398,14 @@ class OrtFactory(EpFactory):
                 reg, i = self._entries[d.index]
                 reg.check_device(i)
 
-        return OrtPluginEp(names[0], [d.ort_device for d in devs], options, check=check)
+        registrations = list({id(r): r for r in (self._entries[d.index][0] for d in devs)}.values())
+        return OrtPluginEp(
+            names[0],
+            [d.ort_device for d in devs],
+            options,
+            check=check,
+            registrations=registrations,
+        )
 
     def close(self) -> None:
         """Drop every ORT object and release the libraries (ORT unregisters each one once
