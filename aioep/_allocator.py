@@ -61,7 +61,24 @@ class Allocator(abc.ABC):
             )
         if self._closed or self._retired:
             raise ClosedError(f"allocator {self.memory_info.name!r} is closed")
-        ptr = self._allocate(nbytes, stream) if nbytes else 0
+        return self._account(self._allocate(nbytes, stream) if nbytes else 0, nbytes, stream)
+
+    def adopt(self, ptr: int, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
+        """A buffer of this allocator over memory the backend reserved outside :meth:`alloc`.
+
+        For backends whose runtime allocates memory itself (an output an EP's runtime
+        made, say): the backend first takes ownership of it as :meth:`_allocate` would,
+        then adopts it here, so that it counts as a live buffer (the library cannot be
+        unregistered under it) and goes back through :meth:`_free` when dropped. Works
+        on a closed allocator too: ``_free`` serves live buffers after closing.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+            )
+        return self._account(ptr, nbytes, stream)
+
+    def _account(self, ptr: int, nbytes: int, stream: SyncStream | None) -> Buffer:
         with self._lock:
             self._live_buffers += 1
             self._num_allocs += 1

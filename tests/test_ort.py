@@ -600,33 +600,37 @@ async def test_session_runs_on_the_real_webgpu_ep(webgpu_path: str) -> None:
             del out
 
 
-async def test_outputs_keep_the_library_registered_until_collected(webgpu_path: str) -> None:
-    """An output ORT handed back from a plugin partition is ORT-owned memory that the
-    plugin library's code may free: it keeps the library registered with ORT after its
-    environment closed, and the library is unregistered once the output (and every view
-    of it) is gone."""
+def test_ort_owned_host_outputs_count_on_the_registration() -> None:
+    """An array ORT hands back from ``InferenceSession.run`` does not own its memory (ORT's
+    tensor does, and a plugin such as OpenVINO may have allocated it): the host path wraps
+    it so that it counts as a live value of the library's registration until its last
+    view is collected (ORT unregisters the library only then)."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
-    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "xy"]
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", vi[:1], vi[1:])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    from aioep_ort._ep import _owned_by_aioep
+    from aioep_ort._registry import Registration
 
-    def webgpu_registered() -> bool:
-        return any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
-
-    async with aioep.Environment(autoload=False) as env:
-        (dev,) = env.register_library("webgpu-outputs", webgpu_path)
-        async with await env.create_session(model, [dev]) as sess:
-            out = await sess.run({"x": np.arange(4, dtype=np.float32)}, output_location="host")
-    view = out["y"].numpy()[1:]
+    sess = ort.InferenceSession(
+        _add_model().SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    (raw,) = sess.run(None, {"x": np.arange(4, dtype=np.float32)})
+    assert raw.base is not None  # ORT's memory, not numpy's
+    reg = Registration("counted", "/nowhere/lib.so", [])
+    reg.registered = False  # a bare count: never asks ORT to unregister anything
+    out = _owned_by_aioep(raw, [reg])
+    del raw
+    assert reg.live_values == 1
+    view = out[1:]
     del out
     gc.collect()
-    assert webgpu_registered(), "the library was unregistered under a live output"
+    assert reg.live_values == 1, "released while a view of the output was alive"
     np.testing.assert_array_equal(view, [2.0, 4.0, 6.0])
     del view
     gc.collect()
-    assert not webgpu_registered(), "the library stayed registered after its outputs went"
+    assert reg.live_values == 0
+    owned = np.arange(3.0)
+    assert _owned_by_aioep(owned, [reg]) is owned
+    assert reg.live_values == 0
 
 
 # -- OpenVINO's plugin EP (onnxruntime-ep-openvino, on the CPU) -------------------------------
@@ -664,6 +668,12 @@ def openvino_path() -> str:
     return str(onnxruntime_ep_openvino.get_library_path())
 
 
+def _data_input(model: Any) -> str:
+    """The first graph input that is not an initializer (old models list both)."""
+    inits = {i.name for i in model.graph.initializer}
+    return next(i.name for i in model.graph.input if i.name not in inits)
+
+
 def _light_model(name: str) -> str:
     import onnx
 
@@ -680,7 +690,7 @@ async def test_openvino_session_matches_onnxruntime(openvino_path: str) -> None:
     from _baseline import ort_baseline
 
     model = onnx.load(_light_model("light_squeezenet.onnx"))
-    name = model.graph.input[0].name
+    name = _data_input(model)
     x = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
     expected = ort_baseline(model).run(None, {name: x})[0]
     async with aioep.Environment(autoload=False) as env:
@@ -706,7 +716,8 @@ def test_openvino_output_outliving_its_environment_survives(openvino_path: str) 
     import anyio, numpy as np, onnx, onnxruntime, aioep, onnxruntime_ep_openvino as ov
     path = {_light_model("light_squeezenet.onnx")!r}
     model = onnx.load(path)
-    name = model.graph.input[0].name
+    inits = {{i.name for i in model.graph.initializer}}
+    name = next(i.name for i in model.graph.input if i.name not in inits)
     x = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
 
     async def main():
@@ -725,3 +736,119 @@ def test_openvino_output_outliving_its_environment_survives(openvino_path: str) 
     proc = _run_child(code)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "SURVIVED" in proc.stdout, proc.stdout
+
+
+# -- device-resident session I/O on a plugin EP (ORT's IOBinding underneath) -----------------
+def _add_model(n: int = 4) -> Any:
+    from onnx import TensorProto, helper
+
+    vi = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [n]) for v in "xy"]
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", vi[:1], vi[1:])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class _OrtCopies:
+    """Counts the onnxruntime.copy_tensors calls the ort backend makes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from aioep_ort import _transfer
+
+        self.calls = 0
+        real = _transfer._ort_copy
+
+        def counting(src: list[Any], dst: list[Any]) -> None:
+            self.calls += 1
+            real(src, dst)
+
+        monkeypatch.setattr(_transfer, "_ort_copy", counting)
+
+
+async def test_session_outputs_stay_on_the_plugin_device(webgpu_path: str) -> None:
+    """Outputs of a plugin partition come back in the plugin's DEFAULT memory (no copy);
+    output_location="host" copies them down."""
+    x = np.arange(4, dtype=np.float32)
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        async with await env.create_session(_add_model(), [dev]) as sess:
+            out = await sess.run({"x": x})
+            y = out["y"]
+            assert y.memory_info == dev.memory_info(aioep.MemoryType.DEFAULT)
+            assert not y.is_host_accessible
+            assert (y.shape, y.dtype) == ((4,), np.float32)
+            back = np.zeros(4, np.float32)
+            await aioep.copy_tensors([y], [back])
+            np.testing.assert_array_equal(back, 2 * x)
+            host = await sess.run({"x": x}, output_location="host")
+            assert host["y"].is_host_accessible
+            np.testing.assert_array_equal(host["y"].numpy(), 2 * x)
+            with pytest.raises(aioep.InUseError, match="live buffer"):
+                env.unregister_library("webgpu")
+            del out, y, host
+
+
+async def test_device_inputs_are_bound_where_they_are(
+    webgpu_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device tensor (uploaded by the caller, or the output of another session) is bound
+    by its buffer handle: chaining two sessions on the device makes no copy at all."""
+    copies = _OrtCopies(monkeypatch)
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        first = await env.create_session(_add_model(), [dev])
+        second = await env.create_session(_add_model(), [dev])
+        async with first, second:
+            xd = env.empty((4,), "float32", dev.memory_info())
+            await aioep.copy_tensors([x], [xd])
+            before = copies.calls
+            mid = await first.run({"x": xd})
+            out = await second.run({"x": mid["y"]})
+            assert copies.calls == before, "a device-resident chain copied through ORT"
+            back = np.zeros(4, np.float32)
+            await aioep.copy_tensors([out["y"]], [back])
+            np.testing.assert_allclose(back, 4 * x)
+            del xd, mid, out
+
+
+async def test_segmented_device_input_is_copied_once(
+    webgpu_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device tensor that spans several OrtValue segments cannot be bound by handle: it is
+    read to the host once and bound from there, and the result is still right."""
+    copies = _OrtCopies(monkeypatch)
+    n = 4096  # 16 KiB over 4 KiB segments
+    x = np.arange(n, dtype=np.float32)
+    options = {"ort": {"libraries": f"webgpu={webgpu_path}", "chunk_bytes": 4096}}
+    async with aioep.Environment(backends=["ort"], backend_options=options) as env:
+        (dev,) = env.ep_devices(ep_name="WebGpuExecutionProvider")
+        async with await env.create_session(_add_model(n), [dev]) as sess:
+            (ep,) = sess._eps
+            xd = env.empty((n,), "float32", dev.memory_info())
+            await aioep.copy_tensors([x], [xd])
+            before = copies.calls
+            out = await sess.run({"x": xd}, output_location="host")
+            np.testing.assert_array_equal(out["y"].numpy(), 2 * x)
+            assert ep.device_io.host_fallbacks == 1
+            # the fallback read (one call per 4 KiB segment: chunk_bytes caps calls too),
+            # then the output's download; no upload (ORT reads the bound host copy)
+            assert copies.calls - before == x.nbytes // 4096 + 1
+            del xd, out
+
+
+async def test_device_outputs_outlive_their_environment(webgpu_path: str) -> None:
+    """A device output kept past the environment's exit stays valid memory of the library:
+    ORT keeps the library registered until the tensor is gone."""
+    import onnxruntime as ort
+
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu-kept", webgpu_path)
+        async with await env.create_session(_add_model(), [dev]) as sess:
+            out = await sess.run({"x": np.ones(4, np.float32)})
+        with pytest.warns(ResourceWarning):
+            await env.aclose()
+    y = out.pop("y")
+    gc.collect()
+    assert any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
+    del y
+    gc.collect()
+    assert not any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())

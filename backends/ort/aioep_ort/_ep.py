@@ -4,10 +4,14 @@ ORT's plugin EPs run inside ORT, so this EP claims every node no higher-priority
 EP took (as convex groups), and compiles each group into an
 ``onnxruntime.InferenceSession`` over the group's sub-model, created with
 ``SessionOptions.add_provider_for_devices(ort_ep_devices, provider_options)``.
-ORT then partitions the sub-model between the plugin EP and its own CPU EP, and
-does the plugin's device copies itself. The inputs and outputs of a compiled
-group are host tensors (``memory_info`` is host memory), so the session copies
-to and from other devices around it; each call runs ORT in a worker thread.
+ORT then partitions the sub-model between the plugin EP and its own CPU EP.
+
+Where the plugin's device has DEFAULT memory that aioep can copy to and from
+(``device_io``), the group's inputs and outputs live there: each call binds the
+inputs through ORT's IOBinding where they are and keeps the outputs on the device,
+as aioep tensors over ORT's own OrtValues (see ``_binding``). Otherwise inputs and
+outputs are host arrays and ORT copies inside ``run``. Calls run ORT in a worker
+thread; concurrent calls run concurrently (ORT sessions are thread-safe for runs).
 
 The arrays ``InferenceSession.run`` returns do not own their memory: ORT's tensor does,
 and a plugin EP may have allocated it (OpenVINO's host outputs come from the plugin's
@@ -24,11 +28,12 @@ from typing import Any
 import anyio.to_thread
 import numpy as np
 
-from aioep import InvalidArgument, MemoryInfo, SyncStream, Tensor
+from aioep import ClosedError, InvalidArgument, MemoryInfo, SyncStream, Tensor
 from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef
 from aioep._graph import GraphView
 from aioep._tensor import HOST_MEMORY_INFO
 
+from ._binding import DeviceIO
 from ._ort import ort, translate
 from ._registry import Registration
 
@@ -85,12 +90,14 @@ class _OrtGroup(CompiledNode):
         feeds: Sequence[str],
         ep_name: str,
         registrations: Sequence[Registration] = (),
+        io: DeviceIO | None = None,
     ) -> None:
         self._session = session
         self._meta = meta
         self._feeds = frozenset(feeds)
         self._ep_name = ep_name
         self._registrations = tuple(registrations)
+        self._io = io
         order = [o.name for o in session.get_outputs()]
         self._positions = [order.index(name) for name in meta.outputs]
 
@@ -100,7 +107,26 @@ class _OrtGroup(CompiledNode):
         except Exception as exc:
             raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
 
+    def _run_bound(self, inputs: dict[str, Tensor], io: DeviceIO) -> list[Tensor]:
+        session = self._session
+        if session is None:
+            raise ClosedError(f"{self._ep_name}: {self._meta.name!r} was released")
+        binding = session.io_binding()
+        keep = [io.bind_input(binding, name, t) for name, t in inputs.items()]
+        for name in self._meta.outputs:
+            io.bind_output(binding, name)
+        try:
+            session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
+        values = binding.get_outputs()
+        del keep
+        return [io.adopt(v) for v in values]
+
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
+        if self._io is not None:
+            bound = {n: t for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
+            return await anyio.to_thread.run_sync(self._run_bound, bound, self._io)
         feeds = {n: t.numpy() for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
         results = await anyio.to_thread.run_sync(self._run, feeds)
         regs = self._registrations
@@ -120,6 +146,8 @@ class OrtPluginEp(Ep):
         check: called before sessions are created (e.g. to probe that the device works).
         registrations: the ORT registrations of the plugin libraries behind ``ort_devices``;
             outputs ORT hands back keep them registered while they live.
+        device_io: binds inputs and outputs in the plugin device's memory; None keeps
+            them on the host.
     """
 
     def __init__(
@@ -130,6 +158,7 @@ class OrtPluginEp(Ep):
         *,
         check: Callable[[], None] | None = None,
         registrations: Sequence[Registration] = (),
+        device_io: DeviceIO | None = None,
     ) -> None:
         super().__init__()
         if not ort_devices:
@@ -140,11 +169,14 @@ class OrtPluginEp(Ep):
         self._provider_options = {str(k): str(v) for k, v in (options or {}).items()}
         self._check = check
         self._registrations = tuple(registrations)
+        self.device_io = device_io
+        """Device-resident I/O, or None (host arrays in and out)."""
 
     @property
     def memory_info(self) -> MemoryInfo:
-        """Host memory: ORT takes host inputs and moves them to the plugin's device itself."""
-        return HOST_MEMORY_INFO
+        """The plugin device's memory with device I/O; otherwise host memory (ORT then
+        takes host inputs and moves them to the plugin's device itself)."""
+        return HOST_MEMORY_INFO if self.device_io is None else self.device_io.memory_info
 
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
         # Nodes that read or write host-only values (strings, sequences, optionals, values
@@ -183,5 +215,7 @@ class OrtPluginEp(Ep):
                     exc, f"{self.name}: creating the onnxruntime session for {meta.name!r}"
                 ) from exc
             feeds = [n for n in meta.inputs if n not in graph.initializers]
-            compiled.append(_OrtGroup(session, meta, feeds, self.name, self._registrations))
+            compiled.append(
+                _OrtGroup(session, meta, feeds, self.name, self._registrations, self.device_io)
+            )
         return compiled

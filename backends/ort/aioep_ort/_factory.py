@@ -33,6 +33,7 @@ from aioep.abc import (
     reject_unknown_options,
 )
 
+from ._binding import DeviceIO
 from ._memory import AddressMap, OrtAllocator
 from ._ort import ort, translate
 from ._registry import Registration, acquire, release
@@ -218,6 +219,9 @@ class OrtFactory(EpFactory):
         self._ort_memory: dict[MemoryDevice, tuple[Any, int]] = {}  # -> (OrtMemoryInfo, device)
         self._streams_supported: dict[int, bool] = {}
         self._streams: set[OrtStream] = set()
+        # The newest allocator per memory (adopts session outputs), and the data transfer.
+        self._allocators: dict[MemoryDevice, OrtAllocator] = {}
+        self._transfer: OrtDataTransfer | None = None
         if not self.options.libraries:
             return
         try:
@@ -310,7 +314,7 @@ class OrtFactory(EpFactory):
         segment_bytes = self.pacer.segment_bytes
         if memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
             segment_bytes = _no_segments  # real host addresses: one OrtValue per buffer
-        return OrtAllocator(
+        allocator = OrtAllocator(
             memory_info,
             omi,
             reg,
@@ -319,12 +323,29 @@ class OrtFactory(EpFactory):
             segment_bytes,
             device_check=self.options.device_check,
         )
+        with self._lock:
+            self._allocators[memory_info.device] = allocator
+        return allocator
+
+    def _output_allocator(self, memory_info: MemoryInfo) -> OrtAllocator:
+        """The allocator that adopts session outputs in ``memory_info``: the newest one
+        created for it that is still open, else a new one of the factory's own."""
+        with self._lock:
+            allocator = self._allocators.get(memory_info.device)
+        if allocator is not None and not allocator.closed:
+            return allocator
+        made = self.create_allocator(memory_info, None)
+        assert isinstance(made, OrtAllocator)
+        return made
 
     def create_data_transfer(self) -> DataTransfer | None:
         device_memory = {d for d in self._ort_memory if not d.is_host_accessible}
         if not device_memory:
             return None  # nothing the host cannot read: no data transfer needed
-        return OrtDataTransfer(set(self._ort_memory), self._map, self.pacer, self._owns_stream)
+        self._transfer = OrtDataTransfer(
+            set(self._ort_memory), self._map, self.pacer, self._owns_stream
+        )
+        return self._transfer
 
     def segment_bytes(self, tensor: Tensor) -> int:
         """The segment size of the device buffer behind ``tensor`` (its whole size where the
@@ -399,12 +420,24 @@ class OrtFactory(EpFactory):
                 reg.check_device(i)
 
         registrations = list({id(r): r for r in (self._entries[d.index][0] for d in devs)}.values())
+        device_io = None
+        info = devs[0].memory_info(MemoryType.DEFAULT)
+        if info is not None and not info.device.is_host_accessible:
+            omi = self._ort_memory[info.device][0]
+            device_io = DeviceIO(
+                info,
+                omi,
+                self._map,
+                lambda: self._output_allocator(info),
+                lambda: self._transfer,
+            )
         return OrtPluginEp(
             names[0],
             [d.ort_device for d in devs],
             options,
             check=check,
             registrations=registrations,
+            device_io=device_io,
         )
 
     def close(self) -> None:
@@ -417,6 +450,7 @@ class OrtFactory(EpFactory):
             registrations, self._registrations = self._registrations, []
             self._ort_memory.clear()
             self._streams.clear()
+            self._allocators.clear()
         for reg in registrations:
             release(reg)
 

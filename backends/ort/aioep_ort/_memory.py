@@ -30,7 +30,7 @@ from ._ort import ort, translate
 from ._registry import Registration
 
 if TYPE_CHECKING:
-    from aioep import SyncStream, Tensor
+    from aioep import Buffer, SyncStream, Tensor
 
 __all__ = ["AddressMap", "Block", "OrtAllocator"]
 
@@ -186,6 +186,21 @@ class OrtAllocator(Allocator):
 
     def _close(self) -> None:
         self._ort_memory_info = None
+
+    def adopt_value(self, value: Any, nbytes: int) -> Buffer:
+        """A buffer of this allocator over ``value``, an OrtValue of ``nbytes`` that ORT
+        allocated in this memory (a session output): it holds the value, counts on the
+        library's registration, and gives it back to ORT when the buffer is freed."""
+        self._registration.value_created()
+        try:
+            opaque = bool(getattr(value, "_is_webgpu_buffer", False))
+            start = _virtual_range(nbytes) if opaque else int(value.data_ptr())
+            block = Block(start, nbytes, nbytes, [value], self._ort_memory_info)
+            self._map.add(block)
+        except BaseException:
+            self._registration.value_released()
+            raise
+        return self.adopt(start, nbytes)
 
     def ort_value(self, tensor: Tensor) -> Any:
         """The OrtValue that holds exactly ``tensor``'s bytes (for handing to ORT sessions).

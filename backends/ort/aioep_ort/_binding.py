@@ -1,0 +1,156 @@
+"""Device-resident session I/O: aioep tensors bound to ORT's IOBinding, and ORT's outputs
+adopted as aioep tensors.
+
+An input in the plugin EP's memory is bound by its device address (or buffer handle)
+with its shape and dtype: ORT reads it where it is, no copy. A host input is bound
+as host memory and ORT uploads it once. Outputs are bound to the EP's device: ORT
+allocates them with the plugin's allocator, and each comes back as an aioep tensor
+over that very OrtValue (adopted by the factory's allocator, so it counts as a live
+buffer of the library and is freed through ORT when the tensor goes).
+
+A device tensor that is not one OrtValue from its first byte (a buffer with opaque
+handles split into segments, or a view into one) cannot be bound by handle: ORT's
+binding has no offsets into a WebGPU buffer. Such an input is copied once to the
+host and bound from there (``DeviceIO.host_fallbacks`` counts these); allocating
+it with ``chunk_bytes=0`` (one OrtValue per buffer) avoids that.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aioep import DeviceType, InvalidArgument, MemoryInfo, Tensor
+
+from ._memory import AddressMap
+from ._ort import ort
+
+if TYPE_CHECKING:
+    from ._memory import OrtAllocator
+    from ._transfer import OrtDataTransfer
+
+__all__ = ["DeviceIO"]
+
+# ORT's OrtDevice::DeviceType values.
+_ORT_DEVICE_TYPES = {DeviceType.CPU: 0, DeviceType.GPU: 1, DeviceType.FPGA: 2, DeviceType.NPU: 3}
+
+
+class DeviceIO:
+    """Binds one plugin EP's session inputs and outputs in its DEFAULT memory.
+
+    Args:
+        memory_info: the aioep memory info of the EP's device memory.
+        ort_memory_info: ORT's ``OrtMemoryInfo`` for the same memory.
+        address_map: the factory's live blocks (to find the OrtValue behind a tensor).
+        allocator: returns the allocator that adopts outputs (the factory's, for this memory).
+        transfer: the factory's data transfer (for the host fallback of unbindable inputs).
+    """
+
+    def __init__(
+        self,
+        memory_info: MemoryInfo,
+        ort_memory_info: Any,
+        address_map: AddressMap,
+        allocator: Callable[[], OrtAllocator],
+        transfer: Callable[[], OrtDataTransfer | None],
+    ) -> None:
+        self.memory_info = memory_info
+        self._map = address_map
+        self._allocator = allocator
+        self._transfer = transfer
+        c = ort().capi._pybind_state
+        self._device = c.OrtDevice(
+            _ORT_DEVICE_TYPES.get(memory_info.device.device_type, 1),
+            int(ort_memory_info.device_mem_type),
+            int(ort_memory_info.device_vendor_id),
+            int(ort_memory_info.device_id),
+        )
+        self._lock = threading.Lock()
+        self.host_fallbacks = 0
+        """Inputs copied to the host because no single OrtValue holds them from offset 0."""
+
+    def bind_input(self, binding: Any, name: str, tensor: Tensor) -> Any:
+        """Bind ``tensor`` as input ``name`` of ``binding`` (an ``onnxruntime.IOBinding``).
+
+        Returns what must stay alive until the run is over (a host array, or None).
+        """
+        if tensor.device != self.memory_info.device:
+            if not tensor.is_host_accessible:
+                raise InvalidArgument(
+                    f"input {name!r}: {tensor!r} is in {tensor.memory_info.name!r}, which "
+                    f"{self.memory_info.name!r}'s EP cannot read"
+                )
+            host = np.ascontiguousarray(tensor.numpy())
+            binding.bind_cpu_input(name, host)
+            return host
+        ptr = self._bindable_address(tensor)
+        if ptr is None:
+            host = np.empty(tensor.shape, tensor.dtype)
+            transfer = self._transfer()
+            if transfer is None:
+                raise InvalidArgument(f"input {name!r}: no data transfer for {tensor!r}")
+            transfer.copy_tensors([(tensor, Tensor.from_numpy(host))], None)
+            with self._lock:
+                self.host_fallbacks += 1
+            binding.bind_cpu_input(name, host)
+            return host
+        binding._iobinding.bind_input(name, self._device, tensor.dtype, list(tensor.shape), ptr)
+        return None
+
+    def _bindable_address(self, tensor: Tensor) -> int | None:
+        """The address ORT can read ``tensor`` at, or None where one OrtValue cannot hold it."""
+        if tensor.nbytes == 0:
+            return None
+        block = self._map.find(tensor.data_ptr, tensor.nbytes)
+        if block.start == block.values[0].data_ptr():
+            return tensor.data_ptr  # real addresses: any offset is a valid pointer
+        offset = tensor.data_ptr - block.start
+        index, rem = divmod(offset, block.segment_bytes)
+        value, size = block.segment(index)
+        if rem or tensor.nbytes > size:
+            return None
+        return int(value.data_ptr())  # the buffer handle; the tensor is its leading bytes
+
+    def bind_output(self, binding: Any, name: str) -> None:
+        """Bind output ``name`` to the EP's device: ORT allocates it there."""
+        binding._iobinding.bind_output(name, self._device)
+
+    def adopt(self, value: Any) -> Tensor:
+        """An aioep tensor over ``value`` (an OrtValue ORT allocated on the EP's device)."""
+        if not value.is_tensor():
+            raise InvalidArgument(f"ORT returned a non-tensor value {value!r} on the device")
+        dtype = np.dtype(_numpy_dtype(value.data_type()))
+        shape = tuple(int(d) for d in value.shape())
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            return Tensor.from_numpy(np.empty(shape, dtype))
+        buffer = self._allocator().adopt_value(value, nbytes)
+        return Tensor(buffer, shape, dtype)
+
+
+_ONNX_TO_NUMPY = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int8)": "int8",
+    "tensor(int16)": "int16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(uint8)": "uint8",
+    "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32",
+    "tensor(uint64)": "uint64",
+    "tensor(bool)": "bool",
+}
+
+
+def _numpy_dtype(onnx_type: str) -> str:
+    try:
+        return _ONNX_TO_NUMPY[onnx_type]
+    except KeyError:
+        raise InvalidArgument(
+            f"ORT returned a {onnx_type} output, which aioep cannot hold"
+        ) from None
