@@ -1,86 +1,110 @@
-"""aioep serving example: a FastAPI app that runs a tiny model on an accelerator.
+"""aioep serving example: a FastAPI app that serves a real ONNX model on the best device.
 
-Run it (after ``pip install -e ".[examples,onnx]" -e backends/sim``)::
+Run it (after ``pip install -e ".[examples]" -e backends/sim``, optionally
+``-e "backends/ort[webgpu]"`` for the WebGPU plugin EP)::
 
     uvicorn --app-dir examples serving_app:app --port 8000
-    curl -s localhost:8000/infer -H 'content-type: application/json' \\
-         -d '{"inputs": [[1, 2, 3, 4], [-1, 0, 1, 2]]}'
+    curl -s localhost:8000/healthz
+    python -c "import numpy as np, sys; np.save(sys.stdout.buffer, \\
+        np.random.rand(1, 3, 224, 224).astype(np.float32))" |
+      curl -s --data-binary @- -H 'content-type: application/octet-stream' \\
+        localhost:8000/infer/npy -o y.npy
+
+The model is ``light_squeezenet.onnx`` from the onnx wheel's test data (SqueezeNet's
+architecture, 224x224 images in, 1000 class scores out) unless ``AIOEP_MODEL`` names
+your own ``.onnx`` file (or ``create_app(model_path=...)`` does); any model with one
+float32 tensor input works, dynamic dimensions included.
 
 What it shows:
 
-* the app's **lifespan** opens ``async with aioep.Environment()`` once, picks a
-  device (the first GPU-type EP device: the simulated accelerator, or CUDA; the
-  host CPU when there is none), builds the model's session on it, and makes a
-  small **pool of streams**, one per concurrent worker;
-* each request borrows a stream from the pool, **uploads** its tensor with
-  ``await env.copy_tensors(...)``, **runs** the model on the device with
-  ``session.run(..., stream=stream)`` (ordered after the upload on that stream),
-  **downloads** the result and returns it as JSON.
+* the app's **lifespan** opens ``async with aioep.Environment()`` once, picks the best
+  device (``AIOEP_DEVICE``: ``auto``, ``webgpu``, ``sim`` or ``cpu``; ``auto`` tries the
+  WebGPU plugin EP where ``onnxruntime-ep-webgpu`` is installed and its driver works,
+  then the first accelerator with streams, e.g. the simulated one or CUDA, then the
+  host CPU), creates the model's **session** on it, and closes both at shutdown;
+* requests run **concurrently**: on a device with streams each request borrows one
+  from a small pool, uploads its input with ``await env.copy_tensors(..., stream)``
+  and runs on that stream; on a device without streams (WebGPU) at most ``workers``
+  requests run the session at once, their inputs bound on the device by ORT's
+  IOBinding. Outputs stay on the device until the response copies them down;
+* ``POST /infer`` takes JSON (``{"inputs": nested lists}``) and ``POST /infer/npy`` a
+  ``.npy`` body (what a real client sends: no float parsing), both answering with every
+  output; a wrong shape or dtype is a 422 that names what the model expects.
 
-Request handlers run in tasks that do not inherit the lifespan's context, so
-they use the environment object kept in ``app.state`` (``env.copy_tensors``),
-not the context-bound ``aioep.copy_tensors``.
-
-The model is a two-layer MLP (Gemm -> Relu -> Gemm) built in memory with
-``onnx``; the sim EP runs all three nodes on the device. Without ``onnx`` the
-app still serves, computing the same function with numpy on the host, and says
-so in every response (``"compute": "host fallback (numpy)"``).
+Request handlers run in tasks that do not inherit the lifespan's context, so they use
+the environment object kept in ``app.state`` (``env.copy_tensors``), not the
+context-bound ``aioep.copy_tensors``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 import numpy.typing as npt
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel
 
 import aioep
 
-IN_FEATURES, HIDDEN, OUT_FEATURES = 4, 8, 2
-MAX_ROWS = 1024
-_rng = np.random.default_rng(0)
-W1 = _rng.standard_normal((IN_FEATURES, HIDDEN)).astype(np.float32)
-B1 = _rng.standard_normal(HIDDEN).astype(np.float32)
-W2 = _rng.standard_normal((HIDDEN, OUT_FEATURES)).astype(np.float32)
-B2 = _rng.standard_normal(OUT_FEATURES).astype(np.float32)
+MAX_INPUT_BYTES = 64 << 20
+DEVICES = ("auto", "webgpu", "sim", "cpu")
 
 
-def reference(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """What the model computes, in numpy (the host fallback, and the tests' oracle)."""
-    hidden = np.maximum(x @ W1 + B1, np.float32(0))
-    return (hidden @ W2 + B2).astype(np.float32)
+def default_model_path() -> Path:
+    """``AIOEP_MODEL``, else ``light_squeezenet.onnx`` from the onnx wheel's test data."""
+    if os.environ.get("AIOEP_MODEL"):
+        return Path(os.environ["AIOEP_MODEL"])
+    import onnx
+
+    return Path(onnx.__file__).parent / "backend/test/data/light/light_squeezenet.onnx"
 
 
-def build_model() -> Any:
-    """The MLP as an in-memory ONNX model (input ``x`` [n, 4], output ``y`` [n, 2])."""
-    from onnx import TensorProto, helper, numpy_helper
+@dataclass(frozen=True)
+class InputSpec:
+    """The model's one tensor input: name, dtype and shape (``None`` for a dynamic dim)."""
 
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", IN_FEATURES])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", OUT_FEATURES])
-    weights = [
-        numpy_helper.from_array(a, name)
-        for a, name in ((W1, "w1"), (B1, "b1"), (W2, "w2"), (B2, "b2"))
-    ]
-    nodes = [
-        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
-        helper.make_node("Relu", ["h"], ["a"]),
-        helper.make_node("Gemm", ["a", "w2", "b2"], ["y"]),
-    ]
-    graph = helper.make_graph(nodes, "mlp", [x], [y], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, model: Any) -> InputSpec:
+        """The first graph input that is not an initializer (older models list both)."""
+        from onnx import helper
+
+        inits = {i.name for i in model.graph.initializer}
+        inputs = [i for i in model.graph.input if i.name not in inits]
+        if len(inputs) != 1 or not inputs[0].type.HasField("tensor_type"):
+            raise ValueError(f"the example serves models with one tensor input, not {inputs}")
+        t = inputs[0].type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+        return cls(inputs[0].name, np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)), dims)
+
+    def check(self, x: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """``x`` as a C-contiguous array of the input's dtype, or an HTTP 422 saying why not."""
+        shape = ["?" if d is None else d for d in self.shape]
+        if x.ndim != len(self.shape) or any(
+            d is not None and d != n for d, n in zip(self.shape, x.shape)
+        ):
+            raise HTTPException(422, f"input {self.name!r} must have shape {shape}, got {x.shape}")
+        if x.dtype != self.dtype and not np.can_cast(x.dtype, self.dtype, "same_kind"):
+            raise HTTPException(422, f"input {self.name!r} must be {self.dtype}, got {x.dtype}")
+        return np.ascontiguousarray(x, dtype=self.dtype)
 
 
 class InferRequest(BaseModel):
-    """``POST /infer`` body: rows of 4 numbers."""
+    """``POST /infer`` body: the input tensor as nested lists."""
 
-    inputs: list[list[float]]
+    inputs: list[Any]
 
 
 class StreamPool:
@@ -126,36 +150,74 @@ class Engine:
 
     env: aioep.Environment
     device: aioep.EpDevice
-    memory: aioep.MemoryInfo
-    pool: StreamPool
-    session: Any  # an aioep session, or None for the host fallback
-    compute: str
+    session: aioep.Session
+    spec: InputSpec
+    model: str
+    pool: StreamPool | None
+    """Streams on a stream-aware device; None where the device has none (WebGPU)."""
+    limit: anyio.Semaphore
+    """At most ``workers`` requests run the session at once."""
+
+    async def infer(self, x: npt.NDArray[Any]) -> dict[str, npt.NDArray[Any]]:
+        """Run the model on ``x`` (host) and return every output as a host array."""
+        async with self.limit:
+            if self.pool is None:
+                outputs = await self.session.run({self.spec.name: x})
+                return await self._download(outputs, None)
+            async with self.pool.acquire() as stream:
+                memory = self.device.memory_info(aioep.MemoryType.DEFAULT)
+                assert memory is not None
+                on_device = self.env.empty(x.shape, x.dtype, memory, stream=stream)
+                await self.env.copy_tensors([x], [on_device], stream)  # upload
+                outputs = await self.session.run({self.spec.name: on_device}, stream=stream)
+                return await self._download(outputs, stream)
+
+    async def _download(
+        self, outputs: Mapping[str, Any], stream: aioep.SyncStream | None
+    ) -> dict[str, npt.NDArray[Any]]:
+        tensors = {n: t for n, t in outputs.items() if isinstance(t, aioep.Tensor)}
+        hosts = {n: np.empty(t.shape, t.dtype) for n, t in tensors.items()}
+        # Outputs on the device are valid for work enqueued later on `stream`: download there.
+        await self.env.copy_tensors(list(tensors.values()), list(hosts.values()), stream)
+        return hosts
 
 
 def create_app(
     *,
     workers: int = 2,
+    device: str | None = None,
+    model_path: str | Path | None = None,
     backends: Sequence[str] | None = None,
     backend_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> FastAPI:
-    """Build the app with ``workers`` streams (requests on the device at once); ``backends``
-    and ``backend_options`` go to :class:`aioep.Environment`."""
+    """Build the app: ``workers`` requests on the device at once, on ``device`` (one of
+    :data:`DEVICES`; default ``AIOEP_DEVICE`` or ``auto``), serving ``model_path``
+    (default :func:`default_model_path`); ``backends`` and ``backend_options`` go to
+    :class:`aioep.Environment`."""
+    choice = device or os.environ.get("AIOEP_DEVICE", "auto")
+    if choice not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {choice!r}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with aioep.Environment(backends=backends, backend_options=backend_options) as env:
-            device = _first_accelerator(env)
-            memory = device.memory_info(aioep.MemoryType.DEFAULT)
-            assert memory is not None
-            session, compute = await _make_session(env, device)
-            pool = StreamPool([env.create_sync_stream(device) for _ in range(workers)])
-            app.state.engine = Engine(env, device, memory, pool, session, compute)
-            try:
-                yield
-            finally:
-                await pool.aclose()
-                if session is not None:
-                    await session.aclose()
+        import onnx
+
+        path = Path(model_path) if model_path is not None else default_model_path()
+        model = await anyio.to_thread.run_sync(onnx.load, str(path))
+        spec = InputSpec.of(model)
+        async with AsyncExitStack() as stack:
+            env = await stack.enter_async_context(
+                aioep.Environment(backends=backends, backend_options=backend_options)
+            )
+            dev, session = await _session_on_best_device(env, model, choice)
+            stack.push_async_callback(session.aclose)
+            pool = None
+            if dev.device_type is not aioep.DeviceType.CPU and dev.factory.is_stream_aware():
+                pool = StreamPool([env.create_sync_stream(dev) for _ in range(workers)])
+                stack.push_async_callback(pool.aclose)
+            limit = anyio.Semaphore(workers)
+            app.state.engine = Engine(env, dev, session, spec, path.name, pool, limit)
+            yield
 
     app = FastAPI(title="aioep serving example", lifespan=lifespan)
 
@@ -166,12 +228,19 @@ def create_app(
     @app.get("/healthz")
     async def healthz(request: Request) -> dict[str, Any]:
         engine = engine_of(request)
+        pool = engine.pool
         return {
             "status": "ok",
+            "model": engine.model,
+            "input": {
+                "name": engine.spec.name,
+                "dtype": str(engine.spec.dtype),
+                "shape": ["?" if d is None else d for d in engine.spec.shape],
+            },
             "device": engine.device.ep_name,
-            "compute": engine.compute,
-            "streams": len(engine.pool.streams),
-            "free_streams": engine.pool.free,
+            "placement": sorted(set(engine.session.assignment)),
+            "streams": 0 if pool is None else len(pool.streams),
+            "free_streams": 0 if pool is None else pool.free,
         }
 
     @app.get("/devices")
@@ -191,57 +260,75 @@ def create_app(
     @app.post("/infer")
     async def infer(body: InferRequest, request: Request) -> dict[str, Any]:
         engine = engine_of(request)
-        x = _as_input(body.inputs)
-        env = engine.env
-        async with engine.pool.acquire() as stream:
-            on_device = env.empty(x.shape, x.dtype, engine.memory, stream=stream)
-            await env.copy_tensors([x], [on_device], stream)  # upload
-            if engine.session is not None:
-                outputs = await engine.session.run({"x": on_device}, stream=stream)
-                y = outputs["y"]  # on the device, valid for work enqueued later on `stream`
-            else:
-                y = on_device  # host fallback: compute after the download, below
-            result = np.empty(y.shape, y.dtype)
-            await env.copy_tensors([y], [result], stream)  # download
-        if engine.session is None:
-            result = reference(result)
+        try:
+            x = np.asarray(body.inputs, dtype=np.float64)
+        except ValueError as exc:
+            raise HTTPException(422, f"inputs must be a rectangular array of numbers: {exc}")
+        outputs = await engine.infer(engine.spec.check(x))
         return {
-            "outputs": result.tolist(),
+            "outputs": {name: y.tolist() for name, y in outputs.items()},
             "device": engine.device.ep_name,
-            "compute": engine.compute,
         }
+
+    @app.post("/infer/npy")
+    async def infer_npy(request: Request) -> Response:
+        engine = engine_of(request)
+        body = await request.body()
+        if len(body) > MAX_INPUT_BYTES:
+            raise HTTPException(413, f"input over {MAX_INPUT_BYTES} bytes")
+        try:
+            x = np.load(io.BytesIO(body), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise HTTPException(422, f"the body must be one .npy array: {exc}")
+        outputs = await engine.infer(engine.spec.check(x))
+        name, y = next(iter(outputs.items()))
+        out = io.BytesIO()
+        np.save(out, y, allow_pickle=False)
+        return Response(
+            out.getvalue(),
+            media_type="application/octet-stream",
+            headers={"x-output-name": name, "x-device": engine.device.ep_name},
+        )
 
     return app
 
 
-def _first_accelerator(env: aioep.Environment) -> aioep.EpDevice:
-    """The first non-CPU EP device that can run streams, else the host CPU."""
-    for dev in env.ep_devices():
-        if dev.device_type is not aioep.DeviceType.CPU and dev.factory.is_stream_aware():
-            return dev
-    return env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
+async def _session_on_best_device(
+    env: aioep.Environment, model: Any, choice: str
+) -> tuple[aioep.EpDevice, aioep.Session]:
+    """A session for ``model`` on the device ``choice`` names (``auto``: the best one)."""
+    if choice in ("auto", "webgpu"):
+        try:
+            return await _webgpu_session(env, model)
+        except (aioep.EpError, ImportError) as exc:
+            if choice == "webgpu":
+                raise RuntimeError(f"the WebGPU plugin EP is not usable here: {exc}") from exc
+    if choice in ("auto", "sim"):
+        for dev in env.ep_devices():
+            if choice == "sim" and dev.ep_name != "SimExecutionProvider":
+                continue
+            if dev.device_type is not aioep.DeviceType.CPU and dev.factory.is_stream_aware():
+                return dev, await env.create_session(model, ep_devices=[dev])
+        if choice == "sim":
+            raise RuntimeError("the sim backend is not installed (pip install -e backends/sim)")
+    cpu = env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
+    return cpu, await env.create_session(model, ep_devices=[])
 
 
-async def _make_session(env: aioep.Environment, device: aioep.EpDevice) -> tuple[Any, str]:
+async def _webgpu_session(
+    env: aioep.Environment, model: Any
+) -> tuple[aioep.EpDevice, aioep.Session]:
+    if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
+        raise ImportError("onnxruntime-ep-webgpu is not installed")
+    import onnxruntime_ep_webgpu
+
+    os.environ.setdefault("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")
+    (dev,) = env.register_library("webgpu", onnxruntime_ep_webgpu.get_library_path())
     try:
-        model = build_model()
-    except ImportError:
-        return None, "host fallback (numpy): onnx is not installed"
-    try:
-        session = await env.create_session(model, ep_devices=[device])
-    except (aioep.EpError, ImportError) as exc:
-        return None, f"host fallback (numpy): no session: {exc}"
-    placement = ", ".join(sorted(set(session.assignment)))
-    return session, f"session on {placement}"
-
-
-def _as_input(rows: list[list[float]]) -> npt.NDArray[np.float32]:
-    if not rows or len(rows) > MAX_ROWS or any(len(r) != IN_FEATURES for r in rows):
-        raise HTTPException(
-            status_code=422,
-            detail=f"inputs must be 1..{MAX_ROWS} rows of {IN_FEATURES} numbers each",
-        )
-    return np.ascontiguousarray(rows, dtype=np.float32)
+        return dev, await env.create_session(model, ep_devices=[dev])
+    except BaseException:
+        env.unregister_library("webgpu")
+        raise
 
 
 def _options_from_environment() -> dict[str, dict[str, float]]:

@@ -79,6 +79,20 @@ def serving_app() -> ModuleType:
     return _load_serving_app()
 
 
+@pytest.fixture(scope="module")
+def squeezenet(serving_app: ModuleType) -> tuple[Any, Any]:
+    """The served model's input spec and onnxruntime's CPU session for it (the oracle)."""
+    import onnx
+    from _baseline import ort_baseline
+
+    model = onnx.load(str(serving_app.default_model_path()))
+    return serving_app.InputSpec.of(model), ort_baseline(model)
+
+
+def _image(seed: int) -> Any:
+    return np.random.default_rng(seed).random((1, 3, 224, 224), dtype=np.float32)
+
+
 @pytest.fixture
 async def client(serving_app: ModuleType) -> AsyncIterator[Any]:
     import httpx
@@ -86,9 +100,12 @@ async def client(serving_app: ModuleType) -> AsyncIterator[Any]:
 
     backends = ["sim"] if SIM_INSTALLED else []
     app = serving_app.create_app(
-        workers=2, backends=backends, backend_options={"sim": {"latency_us": 10}}
+        workers=2,
+        device="sim" if SIM_INSTALLED else "cpu",
+        backends=backends,
+        backend_options={"sim": {"latency_us": 10}},
     )
-    async with LifespanManager(app) as manager:
+    async with LifespanManager(app, startup_timeout=120) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
             yield c
@@ -97,52 +114,129 @@ async def client(serving_app: ModuleType) -> AsyncIterator[Any]:
 async def test_serving_app_health_and_devices(client: Any) -> None:
     health = (await client.get("/healthz")).json()
     assert health["status"] == "ok"
-    assert health["streams"] == health["free_streams"] == 2
+    assert health["model"] == "light_squeezenet.onnx"
+    assert health["input"]["shape"] == [1, 3, 224, 224]
     if SIM_INSTALLED:
         assert health["device"] == "SimExecutionProvider"
+        assert "SimExecutionProvider" in health["placement"]
+        assert health["streams"] == health["free_streams"] == 2
     devices = (await client.get("/devices")).json()
     assert devices[0]["type"] == "CPU"
 
 
-async def test_serving_app_infers_on_the_device(client: Any, serving_app: ModuleType) -> None:
-    x = np.array([[1, 2, 3, 4], [-1, 0, 1, 2], [0.5, -0.5, 2, -2]], np.float32)
+async def test_serving_app_serves_squeezenet_like_onnxruntime(
+    client: Any, squeezenet: tuple[Any, Any]
+) -> None:
+    import io
+
+    spec, oracle = squeezenet
+    x = _image(0)
+    (expected,) = oracle.run(None, {spec.name: x})
     resp = await client.post("/infer", json={"inputs": x.tolist()})
     assert resp.status_code == 200, resp.text
-    body = resp.json()
-    np.testing.assert_allclose(np.array(body["outputs"]), serving_app.reference(x), rtol=1e-5)
-    if SIM_INSTALLED:
-        assert body["compute"] == "session on SimExecutionProvider"
+    (got,) = resp.json()["outputs"].values()
+    np.testing.assert_allclose(np.array(got, np.float32), expected, rtol=1e-4, atol=1e-5)
+    buf = io.BytesIO()
+    np.save(buf, x)
+    resp = await client.post("/infer/npy", content=buf.getvalue())
+    assert resp.status_code == 200, resp.text
+    y = np.load(io.BytesIO(resp.content))
+    assert resp.headers["x-output-name"] == oracle.get_outputs()[0].name
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
 
 
 async def test_serving_app_concurrent_requests_share_the_stream_pool(
-    client: Any, serving_app: ModuleType
+    client: Any, squeezenet: tuple[Any, Any]
 ) -> None:
+    import io
+
     import anyio
 
-    rng = np.random.default_rng(1)
-    inputs = [rng.standard_normal((5, 4)).astype(np.float32) for _ in range(8)]
+    spec, oracle = squeezenet
     results: dict[int, Any] = {}
 
     async def one(i: int) -> None:
-        resp = await client.post("/infer", json={"inputs": inputs[i].tolist()})
+        buf = io.BytesIO()
+        np.save(buf, _image(i))
+        resp = await client.post("/infer/npy", content=buf.getvalue())
         assert resp.status_code == 200, resp.text
-        results[i] = np.array(resp.json()["outputs"])
+        results[i] = np.load(io.BytesIO(resp.content))
 
-    with anyio.fail_after(60):
+    with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            for i in range(len(inputs)):
+            for i in range(6):
                 tg.start_soon(one, i)
-    for i, x in enumerate(inputs):
-        np.testing.assert_allclose(results[i], serving_app.reference(x), rtol=1e-5)
-    assert (await client.get("/healthz")).json()["free_streams"] == 2
+    for i in range(6):
+        (expected,) = oracle.run(None, {spec.name: _image(i)})
+        np.testing.assert_allclose(results[i], expected, rtol=1e-4, atol=1e-5)
+    health = (await client.get("/healthz")).json()
+    assert health["free_streams"] == health["streams"]
 
 
 async def test_serving_app_rejects_bad_input(client: Any) -> None:
+    import io
+
     resp = await client.post("/infer", json={"inputs": [[1, 2, 3]]})
     assert resp.status_code == 422
-    assert "rows of 4 numbers" in resp.text
+    assert "must have shape [1, 3, 224, 224]" in resp.text
+    resp = await client.post("/infer", json={"inputs": [[1, 2], [3]]})
+    assert resp.status_code == 422
     resp = await client.post("/infer", json={"inputs": "nope"})
     assert resp.status_code == 422
+    resp = await client.post("/infer/npy", content=b"not an npy file")
+    assert resp.status_code == 422
+    assert ".npy" in resp.text
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((1, 3, 224, 224), np.complex64))
+    resp = await client.post("/infer/npy", content=buf.getvalue())
+    assert resp.status_code == 422
+    assert "must be float32" in resp.text
+
+
+async def test_serving_app_on_the_webgpu_plugin_ep(
+    serving_app: ModuleType, squeezenet: tuple[Any, Any]
+) -> None:
+    """``auto`` picks the WebGPU plugin EP where its driver works: the model runs there,
+    inputs and outputs bound on the device, and answers as onnxruntime's CPU EP does."""
+    import io
+
+    import anyio
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
+        pytest.skip("onnxruntime-ep-webgpu is not installed")
+    app = serving_app.create_app(workers=2, device="auto", backends=[])
+    spec, oracle = squeezenet
+    try:
+        manager = await LifespanManager(app, startup_timeout=300).__aenter__()
+    except RuntimeError as exc:
+        pytest.skip(f"the WebGPU plugin EP is not usable here: {exc}")
+    try:
+        transport = httpx.ASGITransport(app=manager.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            health = (await c.get("/healthz")).json()
+            if health["device"] != "WebGpuExecutionProvider":
+                pytest.skip(f"auto chose {health['device']}: WebGPU has no usable adapter")
+            assert "WebGpuExecutionProvider" in health["placement"]
+            assert health["streams"] == 0  # ORT's WebGPU EP has no sync streams
+
+            async def one(seed: int) -> None:
+                buf = io.BytesIO()
+                np.save(buf, _image(seed))
+                resp = await c.post("/infer/npy", content=buf.getvalue())
+                assert resp.status_code == 200, resp.text
+                (expected,) = oracle.run(None, {spec.name: _image(seed)})
+                np.testing.assert_allclose(
+                    np.load(io.BytesIO(resp.content)), expected, rtol=1e-3, atol=1e-4
+                )
+
+            with anyio.fail_after(300):
+                async with anyio.create_task_group() as tg:
+                    for seed in range(3):
+                        tg.start_soon(one, seed)
+    finally:
+        await manager.__aexit__(None, None, None)
 
 
 # -- serving app under uvicorn ----------------------------------------------------------------
@@ -152,7 +246,12 @@ async def test_serving_app_rejects_bad_input(client: Any) -> None:
 def uvicorn_server() -> Iterator[tuple[str, list[str], subprocess.Popen[str]]]:
     """Start ``uvicorn serving_app:app`` on 127.0.0.1 with a free port; stop it afterwards."""
     pytest.importorskip("uvicorn")
-    env = {**os.environ, "AIOEP_SIM_LATENCY_US": "10", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "AIOEP_SIM_LATENCY_US": "10",
+        "AIOEP_DEVICE": "sim" if SIM_INSTALLED else "cpu",
+        "PYTHONUNBUFFERED": "1",
+    }
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -212,22 +311,27 @@ def _stop(proc: subprocess.Popen[str]) -> int:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_serving_app_under_uvicorn(
-    uvicorn_server: tuple[str, list[str], subprocess.Popen[str]], serving_app: ModuleType
+    uvicorn_server: tuple[str, list[str], subprocess.Popen[str]], squeezenet: tuple[Any, Any]
 ) -> None:
+    import io
+
     import anyio
     import httpx
 
     base, log, _ = uvicorn_server
-    x = np.array([[1, 2, 3, 4]], np.float32)
+    spec, oracle = squeezenet
+    x = _image(3)
+    (expected,) = oracle.run(None, {spec.name: x})
+    buf = io.BytesIO()
+    np.save(buf, x)
     with anyio.fail_after(60):
         async with httpx.AsyncClient(base_url=base, timeout=30) as c:
             assert (await c.get("/healthz")).json()["status"] == "ok"
             for _ in range(3):
-                resp = await c.post("/infer", json={"inputs": x.tolist()})
+                resp = await c.post("/infer/npy", content=buf.getvalue())
                 assert resp.status_code == 200, resp.text
-                np.testing.assert_allclose(
-                    np.array(resp.json()["outputs"]), serving_app.reference(x), rtol=1e-5
-                )
+                y = np.load(io.BytesIO(resp.content))
+                np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
     assert any("Application startup complete" in line for line in log)
 
 

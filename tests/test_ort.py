@@ -326,9 +326,9 @@ async def test_auto_chunks_batch_several_segments_per_call(webgpu_path: str) -> 
         calls: list[int] = []
         real = aioep_ort._transfer._ort_copy
 
-        def spy(src: list[Any], dst: list[Any]) -> None:
+        def spy(src: list[Any], dst: list[Any], lock: Any) -> None:
             calls.append(len(src))
-            real(src, dst)
+            real(src, dst, lock)
 
         aioep_ort._transfer._ort_copy = spy
         try:
@@ -756,9 +756,9 @@ class _OrtCopies:
         self.calls = 0
         real = _transfer._ort_copy
 
-        def counting(src: list[Any], dst: list[Any]) -> None:
+        def counting(src: list[Any], dst: list[Any], lock: Any) -> None:
             self.calls += 1
-            real(src, dst)
+            real(src, dst, lock)
 
         monkeypatch.setattr(_transfer, "_ort_copy", counting)
 

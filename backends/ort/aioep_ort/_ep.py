@@ -22,6 +22,7 @@ view is gone: the library is unregistered from ORT only after that.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -98,12 +99,15 @@ class _OrtGroup(CompiledNode):
         self._ep_name = ep_name
         self._registrations = tuple(registrations)
         self._io = io
+        # One library's lock covers the session's device (an EP's devices share a library).
+        self._device_lock = registrations[0].device_lock if registrations else threading.RLock()
         order = [o.name for o in session.get_outputs()]
         self._positions = [order.index(name) for name in meta.outputs]
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
         try:
-            return list(self._session.run(None, feeds))
+            with self._device_lock:
+                return list(self._session.run(None, feeds))
         except Exception as exc:
             raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
 
@@ -116,7 +120,8 @@ class _OrtGroup(CompiledNode):
         for name in self._meta.outputs:
             io.bind_output(binding, name)
         try:
-            session.run_with_iobinding(binding)
+            with self._device_lock:
+                session.run_with_iobinding(binding)
         except Exception as exc:
             raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
         values = binding.get_outputs()

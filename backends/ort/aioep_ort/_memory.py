@@ -57,6 +57,8 @@ class Block:
     segment_bytes: int
     values: list[Any]
     ort_memory_info: Any
+    device_lock: threading.RLock
+    """The library's lock for ORT calls on its devices (``Registration.device_lock``)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Serialises read-modify-write of partly covered segments."""
 
@@ -166,13 +168,25 @@ class OrtAllocator(Allocator):
             if self._opaque and seg:
                 for offset in range(seg, nbytes, seg):
                     values.append(self._new_value(min(seg, nbytes - offset)))
-                block = Block(_virtual_range(nbytes), nbytes, seg, values, self._ort_memory_info)
+                block = Block(
+                    _virtual_range(nbytes),
+                    nbytes,
+                    seg,
+                    values,
+                    self._ort_memory_info,
+                    self._registration.device_lock,
+                )
             else:
                 if seg and nbytes > seg:  # real addresses: one contiguous OrtValue
                     self._drop_values(values)
                     values.append(self._new_value(nbytes))
                 block = Block(
-                    int(values[0].data_ptr()), nbytes, nbytes, values, self._ort_memory_info
+                    int(values[0].data_ptr()),
+                    nbytes,
+                    nbytes,
+                    values,
+                    self._ort_memory_info,
+                    self._registration.device_lock,
                 )
         except BaseException:
             self._drop_values(values)
@@ -195,7 +209,14 @@ class OrtAllocator(Allocator):
         try:
             opaque = bool(getattr(value, "_is_webgpu_buffer", False))
             start = _virtual_range(nbytes) if opaque else int(value.data_ptr())
-            block = Block(start, nbytes, nbytes, [value], self._ort_memory_info)
+            block = Block(
+                start,
+                nbytes,
+                nbytes,
+                [value],
+                self._ort_memory_info,
+                self._registration.device_lock,
+            )
             self._map.add(block)
         except BaseException:
             self._registration.value_released()

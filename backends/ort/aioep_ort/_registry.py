@@ -44,6 +44,10 @@ class Registration:
         self.refs = 0
         self.live_values = 0
         self.registered = True
+        self.device_lock = threading.RLock()
+        """Held by every ORT call that works on the library's devices from a worker thread
+        (copies, session runs): ORT's WebGPU EP crashes when a copy or run on one thread
+        overlaps a run on another, so aioep never lets them overlap."""
         self._checked: dict[int, BaseException | None] = {}
         self._check_lock = threading.Lock()
 

@@ -207,9 +207,22 @@ def _key(piece: Any) -> int:
     return 0 if isinstance(piece, np.ndarray) else id(piece[0].ort_memory_info)
 
 
-def _ort_copy(src: list[Any], dst: list[Any]) -> None:
+_HOST_ONLY = threading.RLock()  # pairs of host-accessible memory touch no device
+
+
+def _device_lock(sp: Any, dp: Any) -> threading.RLock:
+    """The lock of the library whose device a piece pair touches."""
+    for piece in (sp, dp):
+        if not isinstance(piece, np.ndarray):
+            lock: threading.RLock = piece[0].device_lock
+            return lock
+    return _HOST_ONLY
+
+
+def _ort_copy(src: list[Any], dst: list[Any], lock: threading.RLock) -> None:
     try:
-        ort().copy_tensors(src, dst, None)
+        with lock:
+            ort().copy_tensors(src, dst, None)
     except Exception as exc:
         raise translate(exc, f"onnxruntime.copy_tensors of {len(src)} tensor(s)") from exc
 
@@ -228,6 +241,7 @@ class _Batch:
         self._src: list[Any] = []
         self._dst: list[Any] = []
         self._key: tuple[int, int] | None = None
+        self._lock: threading.RLock | None = None
         self._direction = ""
         self._limit = 0
         self._bytes = 0
@@ -241,6 +255,7 @@ class _Batch:
                 self.flush()
             if not self._src:
                 self._key, self._direction = key, direction
+                self._lock = _device_lock(sp, dp)
                 self._limit = self._pacer.call_bytes(direction)
             self._src.append(_ov(sp))
             self._dst.append(_ov(dp))
@@ -256,10 +271,11 @@ class _Batch:
     def flush(self) -> None:
         if not self._src:
             return
-        src, dst, nbytes = self._src, self._dst, self._bytes
+        src, dst, nbytes, lock = self._src, self._dst, self._bytes, self._lock
         self._src, self._dst, self._key, self._bytes = [], [], None, 0
+        assert lock is not None
         t0 = time.perf_counter()
-        _ort_copy(src, dst)
+        _ort_copy(src, dst, lock)
         self._pacer.record(self._direction, nbytes, time.perf_counter() - t0)
         del src, dst
         _yield_gil()
@@ -270,7 +286,7 @@ def _read(piece: _Dev) -> np.ndarray:
     block, index, offset, length = piece
     value, size = block.segment(index)
     tmp = np.empty(size, np.uint8)
-    _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)])
+    _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)], block.device_lock)
     _yield_gil()
     return tmp[offset : offset + length]
 
@@ -286,8 +302,8 @@ def _write(piece: _Dev, data: np.ndarray) -> None:
     value, size = block.segment(index)
     with block.lock:
         tmp = np.empty(size, np.uint8)
-        _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)])
+        _ort_copy([value], [ort().OrtValue.ortvalue_from_numpy(tmp)], block.device_lock)
         tmp[offset : offset + length] = data
         _yield_gil()
-        _ort_copy([ort().OrtValue.ortvalue_from_numpy(tmp)], [value])
+        _ort_copy([ort().OrtValue.ortvalue_from_numpy(tmp)], [value], block.device_lock)
     _yield_gil()
