@@ -263,7 +263,7 @@ def create_app(
         try:
             x = np.asarray(body.inputs, dtype=np.float64)
         except ValueError as exc:
-            raise HTTPException(422, f"inputs must be a rectangular array of numbers: {exc}")
+            raise HTTPException(422, f"inputs must be a rectangular array of numbers: {exc}") from exc
         outputs = await engine.infer(engine.spec.check(x))
         return {
             "outputs": {name: y.tolist() for name, y in outputs.items()},
@@ -279,7 +279,7 @@ def create_app(
         try:
             x = np.load(io.BytesIO(body), allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
-            raise HTTPException(422, f"the body must be one .npy array: {exc}")
+            raise HTTPException(422, f"the body must be one .npy array: {exc}") from exc
         outputs = await engine.infer(engine.spec.check(x))
         name, y = next(iter(outputs.items()))
         out = io.BytesIO()
