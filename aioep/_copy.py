@@ -32,8 +32,8 @@ class CopyDispatcher:
     """Runs an environment's ``copy_tensors`` calls and tracks the batches in flight.
 
     ``transfers`` and ``libraries`` are the registry's own (library name, transfer)
-    list and name -> library map, read on every call and never copied: the
-    registry changes them in place.
+    list and name -> library map, which it changes in place: the dispatcher reads
+    them on every call.
     """
 
     __slots__ = ("_executor", "_inflight", "_libraries", "_lock", "_routes", "_transfers")
@@ -57,16 +57,19 @@ class CopyDispatcher:
     ) -> CopyFuture:
         """Validate the batch, enqueue or run it, and return its future (see
         :meth:`Environment.copy_tensors`)."""
+        if stream is None and not allow_reshape:
+            done = _copy_small_arrays(src, dst, self._transfers)
+            if done is not None:
+                return CopyFuture.completed(done, Notification(_Completed(None)))
+        # The registry changes its list in place, maybe from another thread: route over a
+        # snapshot (which RouteCache.table compares with its own at no extra cost).
+        transfers = tuple(self._transfers)
         if stream is None:
-            if not allow_reshape:
-                done = _copy_small_arrays(src, dst, self._transfers)
-                if done is not None:
-                    return CopyFuture.completed(done, Notification(_Completed(None)))
             # Strided sources are packed where the copy runs, off the loop.
             plan = plan_copies(
                 src,
                 dst,
-                self._transfers,
+                transfers,
                 allow_reshape=allow_reshape,
                 routes=self._routes,
                 defer_packing=True,
@@ -83,7 +86,7 @@ class CopyDispatcher:
         plan = plan_copies(
             src,
             dst,
-            self._transfers,
+            transfers,
             stream_impl=impl,
             stream_library=stream_lib,
             allow_reshape=allow_reshape,
