@@ -12,7 +12,7 @@ import pytest
 from _factories import BrokenFactory, FakeGpuFactory
 
 from aioep import __main__ as cli
-from aioep import _environment
+from aioep import _registry
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def fake_backends(monkeypatch: pytest.MonkeyPatch) -> None:
             "broken", "aioep_cli_backends:BrokenFactory", "aioep.backends"
         ),
     ]
-    monkeypatch.setattr(_environment, "_backend_entry_points", lambda: iter(eps))
+    monkeypatch.setattr(_registry, "_backend_entry_points", lambda: iter(eps))
 
 
 def test_devices_table(fake_backends: None, capsys: pytest.CaptureFixture[str]) -> None:

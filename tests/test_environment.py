@@ -23,7 +23,7 @@ from _factories import (
 )
 
 import aioep
-from aioep import _environment
+from aioep import _registry
 
 pytestmark = pytest.mark.anyio
 
@@ -53,7 +53,7 @@ def fake_entry_points(monkeypatch: pytest.MonkeyPatch) -> list[importlib.metadat
             "gone", "aioep_test_missing_module:Factory", "aioep.backends"
         ),
     ]
-    monkeypatch.setattr(_environment, "_backend_entry_points", lambda: iter(eps))
+    monkeypatch.setattr(_registry, "_backend_entry_points", lambda: iter(eps))
     return eps
 
 
