@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from ._ep import Ep, IndexedSubGraph, MetaDef
 from ._errors import InvalidArgument
-from ._graph import GraphView, _grouped_runs
+from ._graph import GraphView
+from ._graph_order import grouped_runs
 
 __all__ = ["CPU_EP_NAME", "Partition", "assignment_of", "partition_graph"]
 
@@ -220,7 +221,7 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     labels: list[object] = [u if u < len(claims) else None for u in range(len(units))]
     preds = [{unit_of[p] for i in members for p in graph.predecessors(i)} for members in units]
     try:
-        runs = _grouped_runs(preds, labels)
+        runs = grouped_runs(preds, labels)
     except ValueError as exc:
         stuck = sorted({claims[u][0].name for u in exc.args[0] if u < len(claims)})
         groups = [list(units[u]) for u in exc.args[0] if u < len(claims)]
