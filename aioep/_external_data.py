@@ -139,9 +139,35 @@ async def load_initializers(
         InvalidArgument: a bad argument, or an initializer that breaks a rule.
         EpError: reading or copying failed (the cause is chained).
     """
-    from ._chunked_loader import ChunkedExternalDataLoader
-    from ._device import EpDevice
     from ._external_data_info import read_initializers
+
+    info = _checked_memory(env, model, ep_device, names, chunk_bytes, on_progress, stream, loader)
+    model_path = os.fspath(model)
+    names_list = None if names is None else list(names)
+    # Everything is validated here, before any allocation or read.
+    specs = await anyio.to_thread.run_sync(read_initializers, model_path, names_list)
+    chosen, builtin = _choose_loader(env, info, specs, loader, chunk_bytes)
+    tracker = _Progress(
+        sum(s.nbytes for s in specs),
+        f"{PurePath(model_path).name} -> {info.name}",
+        progress,
+        on_progress,
+    )
+    return await _load_all(env, ep_device, info, specs, chosen, builtin, stream, tracker)
+
+
+def _checked_memory(
+    env: Environment,
+    model: str | os.PathLike[str],
+    ep_device: EpDevice,
+    names: Sequence[str] | None,
+    chunk_bytes: int,
+    on_progress: ProgressCallback | None,
+    stream: SyncStream | None,
+    loader: ExternalDataLoader | None,
+) -> MemoryInfo:
+    """Check ``load_initializers``' arguments; return the DEFAULT memory of ``ep_device``."""
+    from ._device import EpDevice
     from ._stream import SyncStream
 
     if not isinstance(ep_device, EpDevice):
@@ -178,11 +204,19 @@ async def load_initializers(
         raise InvalidArgument(
             f"load_initializers: loader must be an ExternalDataLoader, got {loader!r}"
         )
-    model_path = os.fspath(model)
-    names_list = None if names is None else list(names)
+    return info
 
-    # Everything is validated here, before any allocation or read.
-    specs = await anyio.to_thread.run_sync(read_initializers, model_path, names_list)
+
+def _choose_loader(
+    env: Environment,
+    info: MemoryInfo,
+    specs: Sequence[InitializerSpec],
+    loader: ExternalDataLoader | None,
+    chunk_bytes: int,
+) -> tuple[ExternalDataLoader | None, ChunkedExternalDataLoader | None]:
+    """The loader for the external data: ``loader``, else the environment's choice, else
+    the built-in chunked loader (also returned second: the caller closes it)."""
+    from ._chunked_loader import ChunkedExternalDataLoader
 
     external = [s for s in specs if s.external is not None and s.nbytes]
     chosen = loader if loader is not None else env.external_data_loader(info)
@@ -198,13 +232,20 @@ async def load_initializers(
         chosen = builtin
     elif chosen is not None and external and not chosen.can_load(info):
         raise InvalidArgument(f"load_initializers: {chosen!r} cannot load into {info.name!r}")
+    return chosen, builtin
 
-    tracker = _Progress(
-        sum(s.nbytes for s in specs),
-        f"{PurePath(model_path).name} -> {info.name}",
-        progress,
-        on_progress,
-    )
+
+async def _load_all(
+    env: Environment,
+    ep_device: EpDevice,
+    info: MemoryInfo,
+    specs: Sequence[InitializerSpec],
+    chosen: ExternalDataLoader | None,
+    builtin: ChunkedExternalDataLoader | None,
+    stream: SyncStream | None,
+    tracker: _Progress,
+) -> dict[str, Tensor]:
+    """Allocate every tensor, then fill them one by one; all or nothing."""
     own_stream: SyncStream | None = None
     tensors: dict[str, Tensor] = {}
     ok = False
