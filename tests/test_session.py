@@ -20,7 +20,7 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 import aioep  # noqa: E402
-import aioep._session  # noqa: E402
+import aioep._session_plan  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
 from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
 from aioep._graph import GraphView  # noqa: E402
@@ -374,7 +374,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
 ) -> None:
     # Each can be long on a large model (an external-data read, an ORT session build).
     threads: dict[str, int] = {}
-    real_read = aioep._session._read_initializers
+    real_read = aioep._session_plan._read_initializers
 
     def read(graph: GraphView, names: list[str]) -> list[np.ndarray]:
         threads["read"] = threading.get_ident()
@@ -384,7 +384,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
         threads["claim"] = threading.get_ident()
         return claim_ops("MatMul", "Add")(graph)
 
-    monkeypatch.setattr(aioep._session, "_read_initializers", read)
+    monkeypatch.setattr(aioep._session_plan, "_read_initializers", read)
     async with (
         environment(ep=claim) as (env, devs),
         await env.create_session(mlp(), [devs["ep"]]) as sess,
