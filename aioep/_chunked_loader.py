@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import EpError, InUseError, InvalidArgument
-from ._external_data import ExternalDataLoader
+from ._external_data_loader import ExternalDataLoader
 from ._tensor import Tensor
 from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo, MemoryType
 

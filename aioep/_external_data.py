@@ -1,5 +1,5 @@
-"""External data loaders (ORT's ``IExternalDataLoader``) and ``load_initializers``: put a
-model's initializer bytes from their files straight into device memory.
+"""``load_initializers``: put a model's initializer bytes from their files straight into
+device memory, through external data loaders (ORT's ``IExternalDataLoader``).
 
 A factory offers a loader through ``create_external_data_loader()``; the
 environment picks the first registered one whose ``can_load`` accepts the
@@ -10,7 +10,6 @@ validated (see :mod:`aioep._external_data_info`) before anything is allocated.
 
 from __future__ import annotations
 
-import abc
 import os
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
@@ -19,46 +18,21 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
+from ._chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
+from ._device import EpDevice
 from ._errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
+from ._external_data_info import InitializerSpec, read_initializers
+from ._external_data_loader import ExternalDataLoader
+from ._stream import SyncStream
 from ._types import MemoryInfo, MemoryType
 
 if TYPE_CHECKING:
-    from ._chunked_loader import ChunkedExternalDataLoader
-    from ._device import EpDevice
     from ._environment import Environment
-    from ._external_data_info import InitializerSpec
-    from ._stream import SyncStream
     from ._tensor import Tensor
 
 __all__ = ["ExternalDataLoader", "load_initializers"]
 
 ProgressCallback = Callable[[int, int], object]
-
-
-class ExternalDataLoader(abc.ABC):
-    """Loads ``length`` bytes at ``offset`` of a file into a device tensor."""
-
-    @abc.abstractmethod
-    def can_load(self, memory_info: MemoryInfo) -> bool:
-        """True if this loader can fill tensors in ``memory_info``."""
-
-    @abc.abstractmethod
-    async def load_tensor(
-        self,
-        path: str | os.PathLike[str],
-        offset: int,
-        length: int,
-        tensor: Tensor,
-        *,
-        stream: SyncStream | None = None,
-    ) -> None:
-        """Read the bytes and place them in ``tensor`` (already validated by the caller)."""
-
-    def close(self) -> None:
-        """Release resources; called when the library is unregistered."""
-
-
-_DEFAULT_CHUNK_BYTES = 16 << 20  # kept equal to _chunked_loader.DEFAULT_CHUNK_BYTES
 
 
 class _Progress:
@@ -100,7 +74,7 @@ async def load_initializers(
     *,
     progress: bool = True,
     on_progress: ProgressCallback | None = None,
-    chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stream: SyncStream | None = None,
     loader: ExternalDataLoader | None = None,
 ) -> dict[str, Tensor]:
@@ -139,11 +113,32 @@ async def load_initializers(
         InvalidArgument: a bad argument, or an initializer that breaks a rule.
         EpError: reading or copying failed (the cause is chained).
     """
-    from ._chunked_loader import ChunkedExternalDataLoader
-    from ._device import EpDevice
-    from ._external_data_info import read_initializers
-    from ._stream import SyncStream
+    info = _checked_memory(env, model, ep_device, names, chunk_bytes, on_progress, stream, loader)
+    model_path = os.fspath(model)
+    names_list = None if names is None else list(names)
+    # Everything is validated here, before any allocation or read.
+    specs = await anyio.to_thread.run_sync(read_initializers, model_path, names_list)
+    chosen, builtin = _choose_loader(env, info, specs, loader, chunk_bytes)
+    tracker = _Progress(
+        sum(s.nbytes for s in specs),
+        f"{PurePath(model_path).name} -> {info.name}",
+        progress,
+        on_progress,
+    )
+    return await _load_all(env, ep_device, info, specs, chosen, builtin, stream, tracker)
 
+
+def _checked_memory(
+    env: Environment,
+    model: str | os.PathLike[str],
+    ep_device: EpDevice,
+    names: Sequence[str] | None,
+    chunk_bytes: int,
+    on_progress: ProgressCallback | None,
+    stream: SyncStream | None,
+    loader: ExternalDataLoader | None,
+) -> MemoryInfo:
+    """Check ``load_initializers``' arguments; return the DEFAULT memory of ``ep_device``."""
     if not isinstance(ep_device, EpDevice):
         raise InvalidArgument(
             f"load_initializers: ep_device must be an EpDevice, got {ep_device!r}"
@@ -178,12 +173,18 @@ async def load_initializers(
         raise InvalidArgument(
             f"load_initializers: loader must be an ExternalDataLoader, got {loader!r}"
         )
-    model_path = os.fspath(model)
-    names_list = None if names is None else list(names)
+    return info
 
-    # Everything is validated here, before any allocation or read.
-    specs = await anyio.to_thread.run_sync(read_initializers, model_path, names_list)
 
+def _choose_loader(
+    env: Environment,
+    info: MemoryInfo,
+    specs: Sequence[InitializerSpec],
+    loader: ExternalDataLoader | None,
+    chunk_bytes: int,
+) -> tuple[ExternalDataLoader | None, ChunkedExternalDataLoader | None]:
+    """The loader for the external data: ``loader``, else the environment's choice, else
+    the built-in chunked loader (also returned second: the caller closes it)."""
     external = [s for s in specs if s.external is not None and s.nbytes]
     chosen = loader if loader is not None else env.external_data_loader(info)
     builtin: ChunkedExternalDataLoader | None = None
@@ -198,13 +199,20 @@ async def load_initializers(
         chosen = builtin
     elif chosen is not None and external and not chosen.can_load(info):
         raise InvalidArgument(f"load_initializers: {chosen!r} cannot load into {info.name!r}")
+    return chosen, builtin
 
-    tracker = _Progress(
-        sum(s.nbytes for s in specs),
-        f"{PurePath(model_path).name} -> {info.name}",
-        progress,
-        on_progress,
-    )
+
+async def _load_all(
+    env: Environment,
+    ep_device: EpDevice,
+    info: MemoryInfo,
+    specs: Sequence[InitializerSpec],
+    chosen: ExternalDataLoader | None,
+    builtin: ChunkedExternalDataLoader | None,
+    stream: SyncStream | None,
+    tracker: _Progress,
+) -> dict[str, Tensor]:
+    """Allocate every tensor, then fill them one by one; all or nothing."""
     own_stream: SyncStream | None = None
     tensors: dict[str, Tensor] = {}
     ok = False

@@ -9,245 +9,28 @@ and shapes (:class:`ValueInfo`, from ONNX shape inference), and initializers
 
 from __future__ import annotations
 
-import functools
-import heapq
 import os
-import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from ._errors import InvalidArgument, NoSuchFile, NotImplementedByEp
-from ._ort_compat import ir_version_for_ort
+from ._errors import InvalidArgument, NoSuchFile
+from ._graph_inference import GraphValues
+from ._graph_order import grouped_runs, topological_order
+from ._graph_types import (
+    _GRAPH_ATTRIBUTE_TYPES,
+    Initializer,
+    Node,
+    ValueInfo,
+    _Attributes,
+    _new_node,
+    _onnx,
+    _value_info,
+)
+from ._onnx_models import extract_model
 
 __all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
-
-Dim = int | str | None
-
-
-def _onnx() -> Any:
-    try:
-        import onnx
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise NotImplementedByEp(
-            "aioep sessions need the 'onnx' package: pip install 'aioep[onnx]'"
-        ) from exc
-    return onnx
-
-
-@dataclass(frozen=True)
-class ValueInfo:
-    """Type and shape of a value; ``shape`` is None when the rank is unknown and a
-    dimension is an int, a symbolic name (str) or None when unknown.
-
-    ``kind`` is the ONNX type's kind: ``"tensor"``, ``"sequence"``, ``"optional"``,
-    ``"map"``, ``"sparse_tensor"``, ``"opaque"``, or ``"unknown"`` where the type is
-    not known; ``elem_type`` and ``shape`` describe tensors only (0 and None
-    otherwise). ``type_proto`` is the ``onnx.TypeProto`` of a value that is not a
-    tensor (None for tensors and unknown types).
-    """
-
-    name: str
-    elem_type: int
-    shape: tuple[Dim, ...] | None
-    kind: str = "tensor"
-    type_proto: Any = field(default=None, compare=False, repr=False)
-
-    @functools.cached_property
-    def dtype(self) -> np.dtype[Any] | None:
-        """The numpy dtype of a tensor value, or None (unknown type, or not a tensor)."""
-        if not self.elem_type:
-            return None
-        onnx = _onnx()
-        try:
-            dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.elem_type))
-        except (KeyError, TypeError, ValueError):
-            return None
-        return dtype
-
-    @property
-    def is_device_tensor(self) -> bool:
-        """True for a tensor of a known numeric (or bool) element type: a value that can
-        live in device memory. String tensors, sequences, optionals and maps, and values
-        of unknown type, live on the host only."""
-        if self.kind != "tensor":
-            return False
-        dtype = self.dtype
-        return dtype is not None and not dtype.hasobject
-
-
-@dataclass(frozen=True)
-class Node:
-    """One node; ``index`` is its position in :attr:`GraphView.nodes` (topological order).
-
-    ``inputs`` keeps ONNX's empty string for a missing optional input.
-    ``implicit_inputs`` are outer-scope values read by subgraph attributes (If, Loop, Scan).
-    """
-
-    index: int
-    name: str
-    op_type: str
-    domain: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    attributes: Mapping[str, Any] = field(compare=False)
-    implicit_inputs: tuple[str, ...] = ()
-    proto: Any = field(default=None, compare=False, repr=False)
-
-    @functools.cached_property
-    def all_inputs(self) -> tuple[str, ...]:
-        """Explicit (non-empty) then implicit inputs, without duplicates."""
-        seen: dict[str, None] = {}
-        for name in (*self.inputs, *self.implicit_inputs):
-            if name:
-                seen.setdefault(name, None)
-        return tuple(seen)
-
-
-class Initializer:
-    """A constant tensor of the model; its data is read only by :meth:`numpy`."""
-
-    __slots__ = ("_base_dir", "_proto", "dtype", "external", "name", "shape")
-
-    def __init__(self, proto: Any, base_dir: Path | None) -> None:
-        onnx = _onnx()
-        self._proto = proto
-        self._base_dir = base_dir
-        self.name: str = proto.name
-        self.shape: tuple[int, ...] = tuple(int(d) for d in proto.dims)
-        self.dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(proto.data_type))
-        self.external: bool = proto.data_location == onnx.TensorProto.EXTERNAL
-
-    @property
-    def proto(self) -> Any:
-        """The ``onnx.TensorProto`` (external data not loaded)."""
-        return self._proto
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the data in bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    def numpy(self) -> npt.NDArray[Any]:
-        """Read the data (from the external file when the data is external).
-
-        Raises:
-            NoSuchFile: the external data file is missing.
-        """
-        onnx = _onnx()
-        base = "" if self._base_dir is None else os.fspath(self._base_dir)
-        if self.external and self._base_dir is None:
-            raise InvalidArgument(
-                f"initializer {self.name!r} has external data, but the model was given as a "
-                "proto without a path; load it with GraphView.from_model(path)"
-            )
-        if self.external:
-            location = next((e.value for e in self._proto.external_data if e.key == "location"), "")
-            file = Path(base) / location
-            if not file.is_file():
-                raise NoSuchFile(
-                    f"initializer {self.name!r}: external data file {str(file)!r} does not exist"
-                )
-        try:
-            return np.asarray(onnx.numpy_helper.to_array(self._proto, base_dir=base))
-        except FileNotFoundError as exc:
-            raise NoSuchFile(
-                f"initializer {self.name!r}: external data file not found: {exc}"
-            ) from exc
-
-    def __repr__(self) -> str:
-        ext = " external" if self.external else ""
-        return f"<Initializer {self.name!r} {self.dtype}{list(self.shape)}{ext}>"
-
-
-def _attribute_value(onnx: Any, attr: Any) -> Any:
-    if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-        return attr.g if attr.type == onnx.AttributeProto.GRAPH else tuple(attr.graphs)
-    value = onnx.helper.get_attribute_value(attr)
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, list):
-        return tuple(
-            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v for v in value
-        )
-    return value
-
-
-class _Attributes(Mapping[str, Any]):
-    """A node's attributes, each converted from its ``AttributeProto`` when first read."""
-
-    __slots__ = ("_done", "_protos")
-
-    def __init__(self, protos: Sequence[Any]) -> None:
-        self._protos = {a.name: a for a in protos}
-        self._done: dict[str, Any] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return self._done[key]
-        except KeyError:
-            value = _attribute_value(_onnx(), self._protos[key])
-            self._done[key] = value
-            return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._protos)
-
-    def __len__(self) -> int:
-        return len(self._protos)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-_GRAPH_ATTRIBUTE_TYPES = (5, 10)  # AttributeProto.GRAPH, GRAPHS
-
-
-def _new_node(**fields: Any) -> Node:
-    # Node is frozen: its generated __init__ sets each field through object.__setattr__,
-    # which for a model of thousands of nodes took longer than the rest of the view.
-    node = object.__new__(Node)
-    node.__dict__.update(fields)
-    return node
-
-
-def _for_inference(onnx: Any, model: Any) -> Any:
-    """``model`` for shape inference: large initializers become typed graph inputs, so the
-    model is not serialized twice with its weights (inference only needs their shapes;
-    small ones, such as the shapes Reshape reads, keep their values)."""
-    graph = model.graph
-    big = {
-        t.name
-        for t in graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() > _INFERENCE_KEEP_BYTES
-    }
-    if not big:
-        return model
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
-    g = light.graph
-    g.name = graph.name
-    g.node.extend(graph.node)
-    g.input.extend(graph.input)
-    g.output.extend(graph.output)
-    g.value_info.extend(graph.value_info)
-    declared = {i.name for i in graph.input}
-    for t in graph.initializer:
-        if t.name not in big:
-            g.initializer.append(t)
-        elif t.name not in declared:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return light
-
-
-_INFERENCE_KEEP_BYTES = 4096
 
 
 def _outer_scope_reads(graph: Any) -> set[str]:
@@ -263,75 +46,6 @@ def _outer_scope_reads(graph: Any) -> set[str]:
                 reads |= _outer_scope_reads(sub) - defined
         defined.update(o for o in node.output if o)
     return reads
-
-
-def _value_info(onnx: Any, vi: Any) -> ValueInfo:
-    t = vi.type
-    which = t.WhichOneof("value")
-    if which != "tensor_type":
-        if which is None:
-            return ValueInfo(vi.name, 0, None, "unknown")
-        # A copy: the inferred model this came from holds a copy of every initializer.
-        proto = onnx.TypeProto()
-        proto.CopyFrom(t)
-        return ValueInfo(vi.name, 0, None, which.removesuffix("_type"), proto)
-    tt = t.tensor_type
-    shape: tuple[Dim, ...] | None = None
-    if tt.HasField("shape"):
-        dims: list[Dim] = []
-        for d in tt.shape.dim:
-            kind = d.WhichOneof("value")
-            dims.append(d.dim_value if kind == "dim_value" else d.dim_param if kind else None)
-        shape = tuple(dims)
-    if not tt.elem_type:
-        return ValueInfo(vi.name, 0, shape, "unknown")
-    return ValueInfo(vi.name, int(tt.elem_type), shape)
-
-
-class _Values:
-    """The graph's value types, from ONNX shape inference run on first use; shared by the
-    views of one graph. Several threads may ask at once."""
-
-    def __init__(self, model: Any, initializers: Mapping[str, Initializer]) -> None:
-        self._model = model
-        self._initializers = initializers
-        self._protos: dict[str, Any] | None = None
-        self._infos: dict[str, ValueInfo] = {}
-        self._lock = threading.Lock()
-
-    def _infer(self) -> dict[str, Any]:
-        with self._lock:
-            if self._protos is None:
-                onnx = _onnx()
-                graph = self._model.graph
-                try:
-                    inferred = onnx.shape_inference.infer_shapes(
-                        _for_inference(onnx, self._model), strict_mode=False
-                    ).graph
-                    infos = [*inferred.input, *inferred.value_info, *inferred.output]
-                except Exception:  # inference is a help, not a requirement
-                    infos = [*graph.input, *graph.value_info, *graph.output]
-                protos: dict[str, Any] = {}
-                for vi in infos:
-                    protos.setdefault(vi.name, vi)
-                self._protos = protos
-            return self._protos
-
-    def get(self, name: str) -> ValueInfo | None:
-        info = self._infos.get(name)
-        if info is not None:
-            return info
-        proto = (self._protos or self._infer()).get(name)
-        if proto is not None:
-            info = _value_info(_onnx(), proto)
-        elif name in self._initializers:
-            init = self._initializers[name]
-            info = ValueInfo(name, int(init.proto.data_type), init.shape)
-        else:
-            return None
-        # Converted when first asked for: a large model has thousands of values.
-        self._infos[name] = info
-        return info
 
 
 class GraphView:
@@ -365,7 +79,7 @@ class GraphView:
     _output_names: tuple[str, ...]
     _outputs: tuple[ValueInfo, ...] | None
     _preds: tuple[frozenset[int], ...]
-    _values: _Values
+    _values: GraphValues
     initializers: Mapping[str, Initializer]
     inputs: tuple[ValueInfo, ...]
     model_path: Path | None
@@ -414,7 +128,7 @@ class GraphView:
         self.initializers = MappingProxyType(
             {t.name: Initializer(t, base_dir) for t in graph.initializer}
         )
-        self._values = _Values(model, self.initializers)
+        self._values = GraphValues(model, self.initializers)
         self.inputs = tuple(
             _value_info(onnx, i) for i in graph.input if i.name not in self.initializers
         )
@@ -430,7 +144,7 @@ class GraphView:
                     for sub in (attr.g,) if attr.HasField("g") else tuple(attr.graphs):
                         reads |= _outer_scope_reads(sub)
             implicit.append(tuple(sorted(reads - set(node.input))) if reads else ())
-        order = _topological_order(
+        order = topological_order(
             raw, implicit, set(self.initializers) | {i.name for i in graph.input}
         )
         nodes: list[Node] = []
@@ -561,7 +275,7 @@ class GraphView:
         """
         wanted = set(indices)
         labels = [i in wanted for i in range(len(self.nodes))]
-        runs = _grouped_runs([self.predecessors(i) for i in range(len(self.nodes))], labels)
+        runs = grouped_runs([self.predecessors(i) for i in range(len(self.nodes))], labels)
         groups: list[tuple[int, ...]] = []
         for label, run in runs:
             if label:
@@ -607,135 +321,8 @@ class GraphView:
             InvalidArgument: the model needs an opset or IR version newer than the
                 installed onnxruntime supports.
         """
-        onnx = _onnx()
-        helper = onnx.helper
-        group = sorted(set(indices))
-        b_in, b_out = self.boundary(group)
-        inputs = b_in if inputs is None else tuple(inputs)
-        outputs = b_out if outputs is None else tuple(outputs)
-        inits = []
-        graph_inputs = []
-        for name in inputs:
-            init = self.initializers.get(name)
-            if init is not None:
-                if init.external and load_external_data:
-                    inits.append(onnx.numpy_helper.from_array(init.numpy(), name))
-                else:
-                    inits.append(init.proto)
-            else:
-                graph_inputs.append(self._value_info_proto(helper, name))
-        model = helper.make_model(
-            helper.make_graph(
-                [self.nodes[i].proto for i in group],
-                f"{self._model.graph.name or 'graph'}_part",
-                graph_inputs,
-                [self._value_info_proto(helper, name) for name in outputs],
-                initializer=inits,
-            ),
-            opset_imports=list(self._model.opset_import),
-            ir_version=ir_version_for_ort(self._model),
-        )
-        model.functions.extend(self._model.functions)
-        return model
-
-    def _value_info_proto(self, helper: Any, name: str) -> Any:
-        info = self.value_info(name)
-        if info is None or info.kind == "unknown":
-            raise NotImplementedByEp(
-                f"the type of value {name!r} is unknown (ONNX shape inference could not find it), "
-                "so the graph cannot be split there"
-            )
-        if info.kind != "tensor":
-            return helper.make_value_info(name, info.type_proto)
-        shape = None if info.shape is None else list(info.shape)
-        return helper.make_tensor_value_info(name, info.elem_type, shape)
+        return extract_model(self, indices, inputs, outputs, load_external_data=load_external_data)
 
     def __repr__(self) -> str:
         where = f" {str(self.model_path)!r}" if self.model_path is not None else ""
         return f"<GraphView{where} nodes={len(self.nodes)} inputs={len(self.inputs)} outputs={len(self.outputs)}>"
-
-
-def _topological_order(
-    raw: Sequence[Any], implicit: Sequence[tuple[str, ...]], known: set[str]
-) -> list[int]:
-    """Kahn's algorithm, stable (the file order where it is already valid)."""
-    producer: dict[str, int] = {}
-    for i, node in enumerate(raw):
-        for out in node.output:
-            if out:
-                if out in producer:
-                    raise InvalidArgument(
-                        f"value {out!r} is produced by two nodes ({raw[producer[out]].name!r} and "
-                        f"{node.name!r})"
-                    )
-                producer[out] = i
-    if all(
-        producer.get(n, -1) < i for i, node in enumerate(raw) for n in (*node.input, *implicit[i])
-    ):
-        return list(range(len(raw)))  # the file order is already topological (the usual case)
-    indegree = [0] * len(raw)
-    succ: list[list[int]] = [[] for _ in raw]
-    for i, node in enumerate(raw):
-        preds = {producer[n] for n in (*node.input, *implicit[i]) if n and n in producer}
-        for p in preds:
-            succ[p].append(i)
-        indegree[i] = len(preds)
-    ready = [i for i, d in enumerate(indegree) if d == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for s in succ[i]:
-            indegree[s] -= 1
-            if indegree[s] == 0:
-                heapq.heappush(ready, s)
-    if len(order) != len(raw):
-        stuck = [raw[i].name or f"#{i}" for i in range(len(raw)) if indegree[i] > 0]
-        raise InvalidArgument(f"the graph has a cycle through nodes {stuck[:10]}")
-    return order
-
-
-def _grouped_runs(
-    preds: Sequence[Iterable[int]], labels: Sequence[Any]
-) -> list[tuple[Any, list[int]]]:
-    """Order units topologically, preferring to continue with the label just emitted, and
-    return the runs of equal labels in that order.
-
-    ``preds[u]`` are unit ``u``'s predecessors. Raises ValueError (with the units
-    left over) if the units do not form a DAG.
-    """
-    n = len(preds)
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indegree = [0] * n
-    for u, ps in enumerate(preds):
-        uniq = set(ps)
-        uniq.discard(u)
-        indegree[u] = len(uniq)
-        for p in uniq:
-            succ[p].append(u)
-    ready: dict[Any, list[int]] = {}
-    for u in range(n):
-        if indegree[u] == 0:
-            heapq.heappush(ready.setdefault(labels[u], []), u)
-    runs: list[tuple[Any, list[int]]] = []
-    current: Any = object()
-    emitted = 0
-    while emitted < n:
-        heap = ready.get(current)
-        if not heap:
-            candidates = [(h[0], label) for label, h in ready.items() if h]
-            if not candidates:
-                left = [u for u in range(n) if indegree[u] > 0]
-                raise ValueError(left)
-            _, current = min(candidates, key=lambda c: c[0])
-            heap = ready[current]
-            runs.append((current, []))
-        u = heapq.heappop(heap)
-        runs[-1][1].append(u)
-        emitted += 1
-        for s in succ[u]:
-            indegree[s] -= 1
-            if indegree[s] == 0:
-                heapq.heappush(ready.setdefault(labels[s], []), s)
-    return runs

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from ._ep import Ep, IndexedSubGraph, MetaDef
 from ._errors import InvalidArgument
-from ._graph import GraphView, _grouped_runs
+from ._graph import GraphView
+from ._graph_order import grouped_runs
 
 __all__ = ["CPU_EP_NAME", "Partition", "assignment_of", "partition_graph"]
 
@@ -31,9 +32,16 @@ class Partition:
 
 
 class _Reach:
-    """Ancestor and descendant sets of every node, as int bitsets (computed once, lazily)."""
+    """Ancestor and descendant sets of every node, as int bitsets (computed on first use:
+    only a claim of several nodes needs them)."""
 
     def __init__(self, graph: GraphView) -> None:
+        self._graph = graph
+        self.anc: list[int] = []
+        self.desc: list[int] = []
+
+    def _compute(self) -> None:
+        graph = self._graph
         n = len(graph.nodes)
         preds = [graph.predecessors(i) for i in range(n)]
         self.anc = [0] * n
@@ -55,6 +63,8 @@ class _Reach:
 
     def path_nodes_outside(self, group: Sequence[int]) -> list[int]:
         """Nodes outside ``group`` on a path that leaves the group and comes back."""
+        if not self.anc and self._graph.nodes:
+            self._compute()
         mask = 0
         anc = desc = 0
         for i in group:
@@ -139,58 +149,34 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
             earlier claim, is not convex, has a meta-def that does not match its nodes,
             or the claims depend on each other in a cycle.
     """
-    n = len(graph.nodes)
+    claims = _collect_claims(graph, eps)
+    units, runs = _order_units(graph, claims)
+    return _make_partitions(graph, claims, units, runs)
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A node group an EP claimed and keeps (checked, sorted)."""
+
+    ep: Ep
+    group: tuple[int, ...]
+    meta_def: MetaDef | None
+
+
+def _collect_claims(graph: GraphView, eps: Sequence[Ep]) -> list[_Claim]:
+    """Ask each EP in priority order for its node groups; check them and keep those it
+    will run."""
     assigned: dict[int, str] = {}
     dead = _dead_nodes(graph)
-    claims: list[tuple[Ep, tuple[int, ...], MetaDef | None]] = []
-    reach: _Reach | None = None
+    reach = _Reach(graph)
+    claims: list[_Claim] = []
     for ep in eps:
-        view = graph._with_assigned(assigned)
-        result = ep.get_capability(view)
-        if not isinstance(result, (list, tuple)):
-            raise InvalidArgument(
-                f"EP {ep.name!r}: get_capability must return a list of IndexedSubGraph, "
-                f"got {type(result).__name__}"
-            )
-        for claim in result:
+        for claim in _capability(ep, graph._with_assigned(assigned)):
             if not isinstance(claim, IndexedSubGraph):
                 raise InvalidArgument(
                     f"EP {ep.name!r}: get_capability returned {claim!r}, not an IndexedSubGraph"
                 )
-            nodes = claim.nodes
-            if not nodes:
-                raise InvalidArgument(f"EP {ep.name!r} claimed an empty node group")
-            bad = [i for i in nodes if isinstance(i, bool) or not isinstance(i, int)]
-            if bad:
-                raise InvalidArgument(
-                    f"EP {ep.name!r} claimed node indices that are not ints: {bad}"
-                )
-            missing = sorted({i for i in nodes if not 0 <= i < n})
-            if missing:
-                raise InvalidArgument(
-                    f"EP {ep.name!r} claimed node(s) {missing} that do not exist "
-                    f"(the graph has {n} nodes)"
-                )
-            if len(set(nodes)) != len(nodes):
-                raise InvalidArgument(
-                    f"EP {ep.name!r} claimed node(s) twice in one group: {list(nodes)}"
-                )
-            taken = sorted(i for i in nodes if i in assigned)
-            if taken:
-                owners = sorted({assigned[i] for i in taken})
-                raise InvalidArgument(
-                    f"EP {ep.name!r} claimed node(s) {_describe(graph, taken)} that were already "
-                    f"claimed by {', '.join(repr(o) for o in owners)}"
-                )
-            group = tuple(sorted(nodes))
-            if len(group) > 1:
-                reach = reach or _Reach(graph)
-                outside = reach.path_nodes_outside(group)
-                if outside:
-                    raise InvalidArgument(
-                        f"EP {ep.name!r} claimed a non-convex group (nodes {list(group)}): a path "
-                        f"leaves it and comes back through node(s) {_describe(graph, outside)}"
-                    )
+            group = _checked_group(graph, ep, claim.nodes, assigned, reach)
             if claim.meta_def is not None:
                 _check_meta_def(graph, ep, group, claim.meta_def)
                 interface = (*claim.meta_def.inputs, *claim.meta_def.outputs)
@@ -205,14 +191,71 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
                 continue
             for i in group:
                 assigned[i] = ep.name
-            claims.append((ep, group, claim.meta_def))
+            claims.append(_Claim(ep, group, claim.meta_def))
+    return claims
 
-    # Units: each claim, and each unclaimed node on its own; order them, keeping CPU runs long.
+
+def _capability(ep: Ep, view: GraphView) -> Sequence[object]:
+    """``ep.get_capability(view)``, checked to be a list (its items are checked one by one)."""
+    result = ep.get_capability(view)
+    if not isinstance(result, (list, tuple)):
+        raise InvalidArgument(
+            f"EP {ep.name!r}: get_capability must return a list of IndexedSubGraph, "
+            f"got {type(result).__name__}"
+        )
+    return result
+
+
+def _checked_group(
+    graph: GraphView,
+    ep: Ep,
+    nodes: Sequence[int],
+    assigned: dict[int, str],
+    reach: _Reach,
+) -> tuple[int, ...]:
+    """The claimed ``nodes``, sorted, once they are known, free, distinct and convex."""
+    n = len(graph.nodes)
+    if not nodes:
+        raise InvalidArgument(f"EP {ep.name!r} claimed an empty node group")
+    bad = [i for i in nodes if isinstance(i, bool) or not isinstance(i, int)]
+    if bad:
+        raise InvalidArgument(f"EP {ep.name!r} claimed node indices that are not ints: {bad}")
+    missing = sorted({i for i in nodes if not 0 <= i < n})
+    if missing:
+        raise InvalidArgument(
+            f"EP {ep.name!r} claimed node(s) {missing} that do not exist (the graph has {n} nodes)"
+        )
+    if len(set(nodes)) != len(nodes):
+        raise InvalidArgument(f"EP {ep.name!r} claimed node(s) twice in one group: {list(nodes)}")
+    taken = sorted(i for i in nodes if i in assigned)
+    if taken:
+        owners = sorted({assigned[i] for i in taken})
+        raise InvalidArgument(
+            f"EP {ep.name!r} claimed node(s) {_describe(graph, taken)} that were already "
+            f"claimed by {', '.join(repr(o) for o in owners)}"
+        )
+    group = tuple(sorted(nodes))
+    if len(group) > 1:
+        outside = reach.path_nodes_outside(group)
+        if outside:
+            raise InvalidArgument(
+                f"EP {ep.name!r} claimed a non-convex group (nodes {list(group)}): a path "
+                f"leaves it and comes back through node(s) {_describe(graph, outside)}"
+            )
+    return group
+
+
+def _order_units(
+    graph: GraphView, claims: Sequence[_Claim]
+) -> tuple[list[tuple[int, ...]], list[tuple[object, list[int]]]]:
+    """The units (each claim, then each unclaimed node on its own) and their runs in a
+    topological order that keeps runs of unclaimed nodes long."""
+    n = len(graph.nodes)
     unit_of = [-1] * n
-    for u, (_, group, _) in enumerate(claims):
-        for i in group:
+    for u, claim in enumerate(claims):
+        for i in claim.group:
             unit_of[i] = u
-    units: list[tuple[int, ...]] = [g for _, g, _ in claims]
+    units: list[tuple[int, ...]] = [c.group for c in claims]
     for i in range(n):
         if unit_of[i] < 0:
             unit_of[i] = len(units)
@@ -220,36 +263,50 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     labels: list[object] = [u if u < len(claims) else None for u in range(len(units))]
     preds = [{unit_of[p] for i in members for p in graph.predecessors(i)} for members in units]
     try:
-        runs = _grouped_runs(preds, labels)
+        runs = grouped_runs(preds, labels)
     except ValueError as exc:
-        stuck = sorted({claims[u][0].name for u in exc.args[0] if u < len(claims)})
+        stuck = sorted({claims[u].ep.name for u in exc.args[0] if u < len(claims)})
         groups = [list(units[u]) for u in exc.args[0] if u < len(claims)]
         raise InvalidArgument(
             f"the claims of EP(s) {stuck} depend on each other in a cycle (groups {groups}); "
             "no order can run them"
         ) from None
+    return units, runs
 
+
+def _make_partitions(
+    graph: GraphView,
+    claims: Sequence[_Claim],
+    units: Sequence[tuple[int, ...]],
+    runs: Sequence[tuple[object, list[int]]],
+) -> list[Partition]:
+    """One partition per claim and per run of unclaimed nodes, in run order, each with a
+    meta-def (the claim's own, or the group's boundary under a numbered name)."""
     partitions: list[Partition] = []
     counters: dict[str, int] = {}
+
+    def numbered(name: str) -> str:
+        k = counters.get(name, 0)
+        counters[name] = k + 1
+        return f"{name}_{k}"
+
     for label, run in runs:
         if label is None:
             # One onnxruntime session per run of unclaimed nodes, connected or not: the run
             # is consecutive in a topological order, so it is convex, and every session costs
-            # its creation (densenet's 836 independent ConstantOfShape nodes made 836).
+            # its creation (a model with hundreds of independent unclaimed nodes would
+            # otherwise build hundreds of sessions).
             part = tuple(sorted(units[u][0] for u in run))
-            k = counters.get(CPU_EP_NAME, 0)
-            counters[CPU_EP_NAME] = k + 1
             b_in, b_out = graph.boundary(part)
-            partitions.append(Partition(None, part, MetaDef(f"{CPU_EP_NAME}_{k}", b_in, b_out)))
+            partitions.append(Partition(None, part, MetaDef(numbered(CPU_EP_NAME), b_in, b_out)))
             continue
         for u in run:
-            ep, group, meta = claims[u]
+            claim = claims[u]
+            meta = claim.meta_def
             if meta is None:
-                k = counters.get(ep.name, 0)
-                counters[ep.name] = k + 1
-                b_in, b_out = graph.boundary(group)
-                meta = MetaDef(f"{ep.name}_{k}", b_in, b_out)
-            partitions.append(Partition(ep, group, meta))
+                b_in, b_out = graph.boundary(claim.group)
+                meta = MetaDef(numbered(claim.ep.name), b_in, b_out)
+            partitions.append(Partition(claim.ep, claim.group, meta))
     return partitions
 
 

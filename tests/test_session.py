@@ -20,11 +20,12 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 import aioep  # noqa: E402
-import aioep._session  # noqa: E402
+import aioep._session_plan  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
 from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
 from aioep._graph import GraphView  # noqa: E402
 from aioep._host import HostAllocator  # noqa: E402
+from aioep._session_plan import CopyPoint  # noqa: E402
 from aioep._tensor import HOST_MEMORY_INFO  # noqa: E402
 from aioep.abc import EpFactory, ThreadStream  # noqa: E402
 
@@ -374,7 +375,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
 ) -> None:
     # Each can be long on a large model (an external-data read, an ORT session build).
     threads: dict[str, int] = {}
-    real_read = aioep._session._read_initializers
+    real_read = aioep._session_plan._read_initializers
 
     def read(graph: GraphView, names: list[str]) -> list[np.ndarray]:
         threads["read"] = threading.get_ident()
@@ -384,7 +385,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
         threads["claim"] = threading.get_ident()
         return claim_ops("MatMul", "Add")(graph)
 
-    monkeypatch.setattr(aioep._session, "_read_initializers", read)
+    monkeypatch.setattr(aioep._session_plan, "_read_initializers", read)
     async with (
         environment(ep=claim) as (env, devs),
         await env.create_session(mlp(), [devs["ep"]]) as sess,
@@ -502,6 +503,27 @@ async def test_sim_interleaved_matches_onnxruntime(dtype: Any) -> None:
         assert_matches(await sess.run({"x": x}, output_location="host"), reference(model, {"x": x}))
         await sess.aclose()
         assert not env._open_streams()
+
+
+async def test_the_plan_lists_the_values_that_cross_memories() -> None:
+    # chain() on the sim: Add | Exp on the CPU | Mul..Relu; a goes to the host, b back.
+    async with (
+        sim_environment() as (env, sims),
+        await env.create_session(chain(), [sims[0]]) as sess,
+    ):
+        plan = sess._plan
+        sim = sims[0].memory_info(MemoryType.DEFAULT).device
+        host = HOST_MEMORY_INFO.device
+        assert [s.partition.ep_name for s in plan.steps] == [SIM, CPU, SIM]
+        assert plan.copy_points == (CopyPoint("a", 1, sim, host), CopyPoint("b", 2, host, sim))
+        assert plan.direct is None
+    # An EP in host memory shares it with the CPU fallback: nothing crosses.
+    async with (
+        environment(ep=claim_ops("Add", "Mul", "Sub")) as (env, devs),
+        await env.create_session(chain(), [devs["ep"]]) as sess,
+    ):
+        assert len(sess._plan.steps) > 1
+        assert sess._plan.copy_points == ()
 
 
 async def test_sim_device_inputs_user_stream_and_concurrency() -> None:

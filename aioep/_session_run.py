@@ -1,0 +1,339 @@
+"""The runner: executes a session's plan for each ``run``.
+
+A run walks the steps in order. Before a step runs, each input that is not in the step's
+memory is copied there through the environment's data transfers, on the stream of the
+device side of the copy; a stream that reads a value made on another stream first waits
+for it on the device. EP steps are enqueued on the session's stream for their device (or
+the caller's); CPU steps run on the session's worker threads once their inputs are on
+the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._cpu_fallback import from_ort, run_ort, to_ort
+from ._errors import DeviceError, EpError, InvalidArgument
+from ._session_values import RunValue, bind_inputs, host_feeds, same_memory
+from ._stream import SyncStream
+from ._tensor import Tensor
+from ._types import DeviceType, MemoryDevice
+
+if TYPE_CHECKING:
+    from ._environment import Environment
+    from ._ep import Ep
+    from ._notification import Notification
+    from ._session_plan import PlanStep, SessionPlan
+    from ._session_workers import Workers
+
+__all__ = ["Runner"]
+
+_LOCATIONS = ("device", "host")
+
+
+class Runner:
+    """Runs a session's plan; runs from many tasks may overlap, each keeps its own state."""
+
+    __slots__ = ("_held", "_owner", "env", "eps", "plan", "workers")
+
+    def __init__(
+        self,
+        env: Environment,
+        plan: SessionPlan,
+        eps: Sequence[Ep],
+        workers: Workers,
+        owner: object,
+    ) -> None:
+        self.env = env
+        self.plan = plan
+        self.eps = eps
+        self.workers = workers
+        self._held: list[tuple[list[Notification], object]] = []
+        # The session, named in error messages; weakly, so the session is freed when dropped.
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> object:
+        """The session this runner runs for (None once it is gone)."""
+        return self._owner()
+
+    async def run(
+        self,
+        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        stream: SyncStream | None,
+        output_location: str,
+    ) -> dict[str, Any]:
+        """One run of the plan; see :meth:`Session.run <aioep.Session.run>`."""
+        if output_location not in _LOCATIONS:
+            raise InvalidArgument(
+                f"run: output_location must be 'device' or 'host', got {output_location!r}"
+            )
+        streams, user_ready = self._streams_for(stream)
+        plan = self.plan
+        if plan.direct is not None and stream is None:
+            feeds = host_feeds(plan.input_specs, inputs)
+            if feeds is not None:
+                step = plan.direct
+                results = await self.workers.call(run_ort, step.ort_session, feeds)
+                return {name: from_ort(value) for name, value in zip(step.ort_outputs, results)}
+        run = _Run(self, bind_inputs(plan.input_specs, inputs, user_ready, stream), streams)
+        try:
+            return await run.execute(stream, output_location)
+        except BaseException:
+            # Cancelled or failed midway: kernels and copies may still be queued on the
+            # streams; their tensors must outlive them.
+            self.hold_until_passed(streams.values(), (run.values, run.placed))
+            raise
+
+    def _streams_for(
+        self, stream: SyncStream | None
+    ) -> tuple[Mapping[str, SyncStream], Notification | None]:
+        """EP name -> the stream its work goes on in this run (the caller's ``stream`` for
+        its EP), and a notification of the caller's work enqueued so far."""
+        if stream is None:
+            return self.plan.streams, None
+        if not isinstance(stream, SyncStream):
+            raise InvalidArgument(f"run: stream must be an aioep.SyncStream, got {stream!r}")
+        owner = next(
+            (ep.name for ep in self.eps if stream.ep_device.factory is ep.ep_devices[0].factory),
+            None,
+        )
+        if owner is None:
+            raise InvalidArgument(
+                f"run: {stream!r} is not on a device of this session's EPs "
+                f"{[ep.name for ep in self.eps]}"
+            )
+        return {**self.plan.streams, owner: stream}, stream.record()
+
+    def hold_until_passed(self, streams: Iterable[SyncStream], keep: object) -> None:
+        """Keep ``keep`` (a run's tensors) alive until every stream has passed the work
+        enqueued on it so far; released from the backend's thread when it calls back."""
+        self._held = [(notes, k) for notes, k in self._held if not all(n.done() for n in notes)]
+        notes = [s.record() for s in set(streams) if not s.closed]
+        if not notes:
+            return
+        holder: list[object] = [keep]
+        left = [len(notes)]
+        lock = threading.Lock()
+
+        def passed() -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    holder.clear()
+
+        for note in notes:
+            if not note.impl.add_done_callback(passed):
+                # This backend cannot call back: hold until a later run or drain() sees it done.
+                self._held.append((notes, keep))
+                return
+
+    async def drain(self) -> None:
+        """Wait until the streams have passed the work of every run still held."""
+        for notes, _ in self._held:
+            for note in notes:
+                with contextlib.suppress(Exception):
+                    await note
+        self._held.clear()
+
+
+class _Run:
+    """The state of one run: the values made so far, their copies in other memories, and
+    the stream each EP's work goes on."""
+
+    __slots__ = ("placed", "runner", "streams", "tails", "values")
+
+    def __init__(
+        self, runner: Runner, values: dict[str, RunValue], streams: Mapping[str, SyncStream]
+    ) -> None:
+        self.runner = runner
+        self.values = values
+        self.placed: dict[tuple[str, MemoryDevice], RunValue] = {}
+        self.streams = streams
+        self.tails: dict[SyncStream, Notification] = {}
+
+    async def execute(self, user_stream: SyncStream | None, output_location: str) -> dict[str, Any]:
+        """Run every step, then hand the outputs over (see ``Session.run``)."""
+        for step in self.runner.plan.steps:
+            part = step.partition
+            target = step.stream
+            if part.ep is not None and target is not None:
+                target = self.streams.get(part.ep.name, target)
+            args = await self._gather(step, target)
+            if part.ep is None:
+                await self._run_cpu(step, args)
+            else:
+                await self._run_ep(step, target, args)
+        result = await self._outputs(output_location)
+        await self._finish(result, user_stream)
+        return {name: result[name] for name in self.runner.plan.graph.output_names}
+
+    async def _run_cpu(self, step: PlanStep, args: list[Any]) -> None:
+        feeds = {n: to_ort(v) for n, v in zip(step.inputs, args)}
+        results = await self.runner.workers.call(run_ort, step.ort_session, feeds)
+        for name, produced in zip(step.ort_outputs, results):
+            out = from_ort(produced)
+            self.values[name] = (
+                RunValue(out) if isinstance(out, Tensor) else RunValue(None, host=out)
+            )
+
+    async def _run_ep(self, step: PlanStep, target: SyncStream | None, args: list[Any]) -> None:
+        part = step.partition
+        assert part.ep is not None
+        assert step.compiled is not None
+        try:
+            outs = await step.compiled(args, target)
+        except EpError:
+            raise
+        except Exception as exc:
+            raise DeviceError(
+                f"EP {part.ep.name!r} failed running {part.meta_def.name!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if len(outs) != len(part.meta_def.outputs) or not all(isinstance(t, Tensor) for t in outs):
+            raise EpError(
+                f"EP {part.ep.name!r}: {part.meta_def.name!r} returned {len(outs)} value(s); "
+                f"expected {len(part.meta_def.outputs)} aioep.Tensor(s) "
+                f"{list(part.meta_def.outputs)}"
+            )
+        ready = None
+        if target is not None:
+            ready = target.record()
+            self.tails[target] = ready
+        for name, t in zip(part.meta_def.outputs, outs):
+            self.values[name] = RunValue(t, ready, target)
+
+    async def _gather(self, step: PlanStep, target: SyncStream | None) -> list[Any]:
+        """The step's input tensors in its memory, copying (and ordering) what is elsewhere
+        (host values that are not tensors, for the CPU fallback, as they are)."""
+        owner = self.runner.owner
+        device = step.memory.device
+        args: list[Any] = []
+        copies: dict[SyncStream | None, list[tuple[str, Tensor, Tensor]]] = {}
+        for name in step.inputs:
+            const = step.constants.get(name)
+            if const is not None:
+                args.append(const)
+                continue
+            value = self.placed.get((name, device)) or self.values.get(name)
+            if value is None:
+                raise EpError(f"{owner!r}: value {name!r} was not produced before it is read")
+            if value.tensor is None:
+                if device.device_type is not DeviceType.CPU:
+                    raise EpError(
+                        f"{owner!r}: value {name!r} is not a tensor and cannot move to "
+                        f"{step.memory.name!r}"
+                    )
+                args.append(value.host)
+                continue
+            t = value.tensor
+            if same_memory(t.device, device):
+                await _order(value, target)
+                args.append(t)
+                continue
+            if t.dtype.hasobject:
+                raise EpError(
+                    f"{owner!r}: value {name!r} is a string tensor and cannot move to "
+                    f"{step.memory.name!r}"
+                )
+            # Copy on the device side's stream: the consumer's, else the producer's.
+            copy_stream = target if target is not None else value.stream
+            if copy_stream is not None and copy_stream is not value.stream and value.ready:
+                copy_stream.wait(value.ready)
+            elif copy_stream is None and value.ready is not None:
+                await value.ready
+            if device.device_type is DeviceType.CPU:
+                dst = Tensor.from_numpy(np.empty(t.shape, t.dtype))
+            else:
+                dst = self.runner.env.empty(t.shape, t.dtype, step.memory, stream=target)
+            copies.setdefault(copy_stream, []).append((name, t, dst))
+            args.append(dst)
+        await self._copy(copies, device, target)
+        return args
+
+    async def _copy(
+        self,
+        copies: Mapping[SyncStream | None, list[tuple[str, Tensor, Tensor]]],
+        device: MemoryDevice,
+        target: SyncStream | None,
+    ) -> None:
+        """Enqueue the gathered copies, one batch per stream, and record where they land."""
+        for copy_stream, items in copies.items():
+            fut = self.runner.env.copy_tensors(
+                [src for _, src, _ in items], [dst for _, _, dst in items], copy_stream
+            )
+            if copy_stream is not None and copy_stream is target:
+                # Ordered on the consumer's own stream; others wait for the copy's notification.
+                note: Notification | None = fut.notification
+            else:
+                await fut
+                note = None
+            for name, _, dst in items:
+                self.placed[(name, device)] = RunValue(
+                    dst, note, target if note is not None else None
+                )
+
+    async def _outputs(self, output_location: str) -> dict[str, Any]:
+        """Output name -> value, copied to the host where asked to (one batch per stream)."""
+        result: dict[str, Any] = {}
+        to_host: list[tuple[str, RunValue]] = []
+        for name in self.runner.plan.graph.output_names:
+            value = self.values.get(name)
+            if value is None:
+                raise EpError(
+                    f"{self.runner.owner!r}: no partition produced the graph output {name!r}"
+                )
+            if value.tensor is None:
+                result[name] = value.host
+            elif output_location == "host" and not value.tensor.is_host_accessible:
+                to_host.append((name, value))
+            else:
+                result[name] = value.tensor
+        waits: list[Any] = []
+        by_stream: dict[SyncStream | None, list[tuple[str, RunValue]]] = {}
+        for name, value in to_host:
+            by_stream.setdefault(value.stream, []).append((name, value))
+        for s, items in by_stream.items():
+            srcs = [v.tensor for _, v in items if v.tensor is not None]
+            dsts = [np.empty(t.shape, t.dtype) for t in srcs]
+            waits.append(self.runner.env.copy_tensors(srcs, dsts, s))
+            for (name, _), dst in zip(items, dsts):
+                result[name] = Tensor.from_numpy(dst)
+        for fut in waits:
+            await fut
+        return result
+
+    async def _finish(self, result: Mapping[str, Any], user_stream: SyncStream | None) -> None:
+        """Without ``user_stream``, wait until every stream has passed the run's work; with
+        it, order that work before the caller's later work on it."""
+        if user_stream is None:
+            for note in self.tails.values():
+                await note
+            return
+        for s, note in self.tails.items():
+            if s is not user_stream:
+                user_stream.wait(note)
+        for name in list(result):
+            value = self.values[name]
+            if value.stream is None and value.ready is not None:
+                await value.ready
+        if self.tails:
+            # Keep the run's tensors alive until every stream has passed this run's work.
+            self.runner.hold_until_passed([user_stream], (self.values, self.placed))
+
+
+async def _order(value: RunValue, target: SyncStream | None) -> None:
+    """Make ``target`` (or the host, for None) see ``value`` complete."""
+    if value.ready is None or value.stream is target:
+        return
+    if target is not None:
+        target.wait(value.ready)
+    else:
+        await value.ready

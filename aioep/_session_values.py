@@ -1,0 +1,188 @@
+"""The values of a session run: what a run holds for each graph value, and the model inputs
+checked against the graph and bound as such values."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InvalidArgument
+from ._graph_types import ValueInfo
+from ._tensor import Tensor
+from ._types import DeviceType, MemoryDevice
+
+if TYPE_CHECKING:
+    from ._graph import GraphView
+    from ._notification import Notification
+    from ._stream import SyncStream
+
+__all__ = [
+    "InputSpec",
+    "RunValue",
+    "bind_inputs",
+    "contiguous",
+    "host_feeds",
+    "input_specs",
+    "same_memory",
+]
+
+InputSpec = tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None, ValueInfo]
+"""A model input as a run checks it: name, dtype, shape and the full :class:`ValueInfo`."""
+
+
+@dataclass
+class RunValue:
+    """A value of one run: the tensor, and where its producer's work stands.
+
+    Values that are not tensors (sequences, optionals, maps) have ``tensor=None`` and
+    live on the host, in ``host`` (an absent optional is ``host=None``).
+    """
+
+    tensor: Tensor | None
+    ready: Notification | None = None  # None: complete
+    stream: SyncStream | None = None
+    host: Any = None
+
+
+def input_specs(graph: GraphView) -> tuple[InputSpec, ...]:
+    """The graph's inputs as runs check them."""
+    return tuple((i.name, i.dtype, i.shape, i) for i in graph.inputs)
+
+
+def same_memory(a: MemoryDevice, b: MemoryDevice) -> bool:
+    """True when a reader in ``b`` reads a value in ``a`` without a copy."""
+    # A CPU reader reads any host-accessible memory (host RAM, pinned memory) in place.
+    return a == b or (b.device_type is DeviceType.CPU and a.is_host_accessible)
+
+
+def contiguous(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``array`` in C order, shape kept (``np.ascontiguousarray`` turns 0-d into 1-d)."""
+    if array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array).reshape(array.shape)
+
+
+def host_feeds(
+    specs: tuple[InputSpec, ...], inputs: Mapping[str, Tensor | npt.ArrayLike]
+) -> dict[str, npt.NDArray[Any]] | None:
+    """``inputs`` as host arrays when every one is a host tensor of the expected dtype and
+    shape (onnxruntime takes them as they are), else None: :func:`bind_inputs` then binds
+    them or raises the precise error."""
+    if not isinstance(inputs, Mapping) or len(inputs) != len(specs):
+        return None
+    feeds: dict[str, npt.NDArray[Any]] = {}
+    for name, want, shape, info in specs:
+        given = inputs.get(name)
+        if isinstance(given, Tensor) and given.is_host_accessible:
+            given = given.numpy()
+        if (
+            info.kind != "tensor"
+            or not isinstance(given, np.ndarray)
+            or (want is not None and given.dtype != want)
+            or (
+                shape is not None
+                and (
+                    len(shape) != given.ndim
+                    or any(isinstance(d, int) and d != n for d, n in zip(shape, given.shape))
+                )
+            )
+        ):
+            return None
+        feeds[name] = given
+    return feeds
+
+
+def bind_inputs(
+    specs: tuple[InputSpec, ...],
+    inputs: Mapping[str, Tensor | npt.ArrayLike],
+    ready: Notification | None,
+    stream: SyncStream | None,
+) -> dict[str, RunValue]:
+    """The model inputs as run values, checked against the graph's inputs; tensors given
+    with a caller's ``stream`` are ready once ``ready`` (recorded on it) is.
+
+    Raises:
+        InvalidArgument: an input is missing or unknown, or has the wrong dtype or shape.
+    """
+    if not isinstance(inputs, Mapping):
+        raise InvalidArgument(
+            f"run: inputs must map input names to arrays or tensors, got {type(inputs).__name__}"
+        )
+    if len(inputs) != len(specs) or any(spec[0] not in inputs for spec in specs):
+        names = [spec[0] for spec in specs]
+        unknown = sorted(set(inputs) - set(names))
+        if unknown:
+            raise InvalidArgument(
+                f"run: unknown input name(s) {unknown}; the model's inputs are {names}"
+            )
+        missing = [n for n in names if n not in inputs]
+        raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
+    values: dict[str, RunValue] = {}
+    for name, want, shape, info in specs:
+        given = inputs[name]
+        if info.kind not in ("tensor", "unknown"):
+            values[name] = RunValue(None, host=_host_input(name, given, info))
+            continue
+        if isinstance(given, Tensor):
+            tensor = given
+            value = RunValue(tensor, ready, stream if ready is not None else None)
+        else:
+            tensor = _host_tensor(given, want)
+            value = RunValue(tensor)
+        if want is not None and tensor.dtype != want:
+            raise InvalidArgument(
+                f"run: input {name!r} has dtype {tensor.dtype}, the model expects {want}"
+            )
+        if shape is not None and (
+            len(shape) != len(tensor.shape)
+            or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
+        ):
+            raise InvalidArgument(
+                f"run: input {name!r} has shape {tensor.shape}, the model expects {list(shape)}"
+            )
+        values[name] = value
+    return values
+
+
+def _host_tensor(given: Any, want: np.dtype[Any] | None) -> Tensor:
+    """A host tensor of the array-like ``given`` (an empty one of its dtype when that is not
+    ``want``: the caller reports the dtype)."""
+    array = np.asarray(given)
+    if array.dtype.kind in "USO" and (want is None or want.hasobject):
+        return Tensor._of_objects(array.astype(object, copy=False))
+    if want is not None and array.dtype != want:
+        return Tensor.from_numpy(np.empty(0, array.dtype))
+    return Tensor.from_numpy(contiguous(array))
+
+
+def _host_input(name: str, given: Any, info: ValueInfo) -> Any:
+    """A model input that is not a tensor (a sequence, optional or map), kept on the host."""
+    if info.kind == "optional" and given is None:
+        return None
+    if info.kind == "sequence" and not isinstance(given, (list, tuple)):
+        raise InvalidArgument(
+            f"run: input {name!r} is a sequence; pass a list of arrays, got {type(given).__name__}"
+        )
+    return _host_data(name, given)
+
+
+def _host_data(name: str, value: Any) -> Any:
+    if isinstance(value, Tensor):
+        if not value.is_host_accessible:
+            raise InvalidArgument(
+                f"run: input {name!r}: {value!r} is in device memory; sequence and optional "
+                "inputs are read on the host"
+            )
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_host_data(name, v) for v in value]
+    if value is None or isinstance(value, dict):
+        return value
+    array = np.asarray(value)
+    if array.dtype.kind in "USO":
+        return Tensor._of_objects(array.astype(object, copy=False))
+    return Tensor.from_numpy(contiguous(array))
