@@ -1,16 +1,15 @@
-"""External data loaders (ORT's ``IExternalDataLoader``) and ``load_initializers``: put a
-model's initializer bytes from their files straight into device memory.
+"""``load_initializers``: put a model's initializer bytes from their files straight into
+device memory, through external data loaders (ORT's ``IExternalDataLoader``).
 
-A factory offers a loader through ``create_external_data_loader()``; the
-environment picks the first registered one whose ``can_load`` accepts the
-destination's memory info. Devices whose factory offers none use the built-in
+A factory offers a :class:`~aioep._loader.ExternalDataLoader` through
+``create_external_data_loader()``; the environment picks the first registered one
+whose ``can_load`` accepts the destination's memory info. Devices whose factory offers none use the built-in
 :class:`~aioep._chunked_loader.ChunkedExternalDataLoader`. Every initializer is
 validated (see :mod:`aioep._external_data_info`) before anything is allocated.
 """
 
 from __future__ import annotations
 
-import abc
 import os
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
@@ -20,7 +19,8 @@ import anyio
 import anyio.to_thread
 
 from ._errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
-from ._types import MemoryInfo, MemoryType
+from ._loader import ExternalDataLoader as ExternalDataLoader
+from ._types import MemoryType
 
 if TYPE_CHECKING:
     from ._chunked_loader import ChunkedExternalDataLoader
@@ -33,29 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["ExternalDataLoader", "load_initializers"]
 
 ProgressCallback = Callable[[int, int], object]
-
-
-class ExternalDataLoader(abc.ABC):
-    """Loads ``length`` bytes at ``offset`` of a file into a device tensor."""
-
-    @abc.abstractmethod
-    def can_load(self, memory_info: MemoryInfo) -> bool:
-        """True if this loader can fill tensors in ``memory_info``."""
-
-    @abc.abstractmethod
-    async def load_tensor(
-        self,
-        path: str | os.PathLike[str],
-        offset: int,
-        length: int,
-        tensor: Tensor,
-        *,
-        stream: SyncStream | None = None,
-    ) -> None:
-        """Read the bytes and place them in ``tensor`` (already validated by the caller)."""
-
-    def close(self) -> None:
-        """Release resources; called when the library is unregistered."""
 
 
 _DEFAULT_CHUNK_BYTES = 16 << 20  # kept equal to _chunked_loader.DEFAULT_CHUNK_BYTES
