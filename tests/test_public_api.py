@@ -7,6 +7,9 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -211,6 +214,24 @@ def test_examples_use_only_the_public_api() -> None:
         if (found := _private_uses(path.read_text(encoding="utf-8"), PUBLIC_MODULES))
     }
     assert problems == {}
+
+
+def test_import_contracts_hold() -> None:
+    # The import-linter contracts in pyproject.toml, where the dev extra is installed (CI runs
+    # `lint-imports` too); the ast scans above need no extra package.
+    pytest.importorskip("importlinter")
+    exe = Path(sys.executable).parent / ("lint-imports.exe" if os.name == "nt" else "lint-imports")
+    if not exe.exists():
+        pytest.skip(f"import-linter is installed without its {exe.name} script")
+    done = subprocess.run(
+        [str(exe), "--no-cache", "--no-logo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " 0 broken." in done.stdout, done.stdout
 
 
 # -- register_dlpack_exporter -------------------------------------------------------------------
