@@ -2,8 +2,15 @@
 
 The public API is what this module re-exports; everything else lives in private
 modules, one concern each (``_environment``, ``_stream``, ``_transfer`` ...).
-Plugin authors find the base classes they implement in :mod:`aioep.abc`.
+Plugin authors find what they implement and use in :mod:`aioep.abc`; backends
+import nothing else.
 """
+
+# Layout: the private modules form layers that import only downward (types and errors;
+# tensors and buffers; streams and notifications; transfers, allocators and arenas;
+# factories and devices; the environment; sessions; the CLI and plugins), checked by
+# the import-linter contracts in pyproject.toml. This module and aioep.abc sit on top
+# and only re-export; a test checks their names and docstrings.
 
 from ._allocator import Allocator as Allocator
 from ._arena import ArenaAllocator as ArenaAllocator

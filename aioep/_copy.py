@@ -15,10 +15,11 @@ from ._errors import InvalidArgument, translate_backend_error
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
 from ._notification import Notification
+from ._routes import RouteCache
 from ._stream import SyncStream
 from ._stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
 from ._tensor import Tensor
-from ._transfer import CopyPlan, DataTransfer, RouteCache, TensorLike, plan_copies
+from ._transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
 
 if TYPE_CHECKING:
     from ._registry import Library

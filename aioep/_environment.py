@@ -12,7 +12,7 @@ import contextvars
 import enum
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -46,6 +46,16 @@ class _State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
+
+
+# Sessions sit in the layer above the environment: aioep._session hands its create_session
+# in here when it is imported (aioep/__init__.py imports it), so no import goes upward.
+_session_factory: list[Callable[..., Awaitable[Any]]] = []
+
+
+def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
+    """Install the function behind :meth:`Environment.create_session` (``aioep._session``)."""
+    _session_factory[:] = [create]
 
 
 def current_environment() -> Environment:
@@ -381,9 +391,7 @@ class Environment(AsyncResource):
     ) -> Any:
         """Partition ``model`` across the EPs of ``ep_devices`` and return an awaitable session."""
         self._check_open()
-        from ._session import create_session
-
-        return await create_session(self, model, ep_devices, options)
+        return await _session_factory[0](self, model, ep_devices, options)
 
     def __repr__(self) -> str:
         return f"<Environment {self._state.value} libraries={list(self._registry.libraries)}>"

@@ -15,11 +15,12 @@ from ._types import HardwareDevice, MemoryDevice, MemoryInfo
 if TYPE_CHECKING:
     from ._device import EpDevice
     from ._ep import Ep
-    from ._external_data import ExternalDataLoader
+    from ._external_data_loader import ExternalDataLoader
 
 __all__ = ["EpFactory", "FactoryOptions"]
 
 FactoryOptions = Mapping[str, "str | int | float"]
+"""Options as a factory's methods receive them: name -> str, int or float."""
 
 
 class EpFactory(abc.ABC):

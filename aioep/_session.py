@@ -23,6 +23,7 @@ from anyio.abc import AsyncResource
 
 from ._cpu_fallback import load_whole
 from ._device import EpDevice
+from ._environment import set_session_factory
 from ._ep import Ep
 from ._errors import ClosedError, EpError, InvalidArgument
 from ._graph import GraphView
@@ -292,3 +293,6 @@ class Session(AsyncResource):
     def __repr__(self) -> str:
         eps = sorted(set(self.assignment)) or [CPU_EP_NAME]
         return f"<Session {self._state.value} nodes={len(self.graph.nodes)} eps={eps}>"
+
+
+set_session_factory(create_session)

@@ -11,8 +11,8 @@ from anyio.abc import AsyncResource
 
 from ._errors import ClosedError, InvalidArgument, NotImplementedByEp
 from ._notification import Notification
+from ._routes import RouteCache
 from ._stream_impl import StreamImpl
-from ._transfer import RouteCache
 
 if TYPE_CHECKING:
     from ._device import EpDevice

@@ -16,9 +16,17 @@ from ._types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
 if TYPE_CHECKING:
     from ._allocator import Allocator
 
-__all__ = ["HOST_MEMORY_INFO", "Buffer", "Tensor", "as_tensor"]
+__all__ = [
+    "HOST_MEMORY_INFO",
+    "Buffer",
+    "Tensor",
+    "as_tensor",
+    "register_dlpack_exporter",
+]
 
 HOST_MEMORY_INFO = MemoryInfo("Cpu", HOST_MEMORY_DEVICE, alignment=64)
+"""Host RAM (``"Cpu"``, 64-byte aligned): the DEFAULT memory of the host device and of
+tensors wrapped from numpy arrays."""
 
 # DLPack device type codes (dlpack.h): what __dlpack_device__ reports.
 _DL_CPU, _DL_CUDA, _DL_EXT_DEV = 1, 2, 12
@@ -373,8 +381,34 @@ class Tensor:
         return f"<Tensor shape={self.shape} dtype={self.dtype} on {self.memory_info.name!r}>"
 
 
-# Backends that can export device tensors over DLPack register a maker here (vendor id -> fn).
+# vendor id -> exporter; filled by backends through register_dlpack_exporter.
 _dlpack_exporters: dict[int, Callable[[Tensor, Any], Any]] = {}
+
+
+def register_dlpack_exporter(vendor_id: int, exporter: Callable[[Tensor, Any], Any]) -> bool:
+    """Let ``Tensor.__dlpack__`` export tensors in device memory of ``vendor_id``.
+
+    ``exporter(tensor, stream)`` gets a tensor whose memory is not host accessible
+    and whose device has this vendor id, and the consumer's ``stream`` argument
+    as the DLPack protocol passes it; it returns a DLPack capsule or raises
+    ``BufferError``. The capsule's device must agree with ``Tensor.__dlpack_device__``
+    (``kDLCUDA`` for NVIDIA GPU memory, else ``kDLExtDev``). Host-accessible tensors
+    are always exported through numpy. A backend registers its exporter when it is
+    imported.
+
+    Returns:
+        True if ``exporter`` now serves ``vendor_id``; False if another exporter
+        was registered for it first (the first one stays).
+
+    Raises:
+        InvalidArgument: ``vendor_id`` is not an int >= 0 or ``exporter`` is not callable.
+    """
+    if not isinstance(vendor_id, int) or isinstance(vendor_id, bool) or vendor_id < 0:
+        raise InvalidArgument(f"vendor_id must be an int >= 0, got {vendor_id!r}")
+    if not callable(exporter):
+        raise InvalidArgument(f"exporter must be callable, got {type(exporter).__name__}")
+    # == rather than `is`: a bound method is a new object on every attribute access.
+    return bool(_dlpack_exporters.setdefault(vendor_id, exporter) == exporter)
 
 
 def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:

@@ -12,11 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument, NotImplementedByEp
+from ._routes import Route, RouteCache, RouteKey
 from ._stream_impl import StreamImpl
 from ._tensor import Tensor, as_tensor
 from ._types import MemoryDevice
 
-__all__ = ["CopyPlan", "DataTransfer", "RouteCache", "plan_copies"]
+__all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
 
 TensorLike = Tensor | npt.NDArray[Any]
 CopyPair = tuple[Tensor, Tensor]
@@ -85,36 +86,6 @@ class CopyPlan:
 PACK_INLINE_BYTES = 64 << 10
 """Strided sources up to this size are packed on the calling thread even when packing
 could be deferred: a thread hop costs more than the copy."""
-
-Route = tuple[str, DataTransfer]
-RouteKey = tuple[MemoryDevice, MemoryDevice]
-
-
-class RouteCache:
-    """Routing decisions for one stream (or for un-streamed copies): (source device,
-    destination device) -> the (library name, transfer) that copies between them.
-
-    Valid while the environment's transfer list is unchanged; :meth:`table`
-    compares it with the list it was filled from and starts afresh when it
-    differs (a library registered or removed). Only successes are cached, so
-    every error is raised again with its full message. This relies on
-    ``can_copy`` and ``can_use_stream`` giving the same answer for the same
-    arguments while a transfer is registered.
-    """
-
-    __slots__ = ("_routes", "_snapshot")
-
-    def __init__(self) -> None:
-        self._snapshot: tuple[tuple[str, DataTransfer], ...] = ()
-        self._routes: dict[RouteKey, Route] = {}
-
-    def table(self, transfers: Sequence[tuple[str, DataTransfer]]) -> dict[RouteKey, Route]:
-        """The cached routes for ``transfers`` (a fresh table if the list changed)."""
-        current = tuple(transfers)
-        if self._snapshot != current:
-            self._snapshot = current
-            self._routes = {}
-        return self._routes
 
 
 def _address_space(device: MemoryDevice) -> object:

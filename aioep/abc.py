@@ -1,25 +1,49 @@
-"""Base classes and helpers for backend (plugin) authors.
+"""The plugin contract: everything a backend (in-tree or third-party) needs from aioep.
+
+A backend imports from :mod:`aioep` and :mod:`aioep.abc` only; the private modules
+behind them may change between releases (an import-linter contract keeps the
+in-tree backends to this rule).
 
 A backend is an :class:`EpFactory` subclass registered in the entry-point group
 ``aioep.backends``. It offers :class:`aioep.EpDevice` objects, an
-:class:`Allocator` per memory info, optionally a :class:`DataTransfer`, streams
-(:class:`StreamImpl` / :class:`NotificationImpl`; :class:`ThreadStream` is a
-ready one driven by a worker thread; :class:`HostAllocator` is a ready allocator of
-aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an :class:`ExternalDataLoader`.
+:class:`Allocator` per memory info, optionally a :class:`DataTransfer` (copying
+:data:`CopyPair` lists), streams (:class:`StreamImpl` / :class:`NotificationImpl`;
+:class:`ThreadStream` is a ready one driven by a worker thread, :class:`HostNotification`
+a ready notification completed by host code; :class:`HostAllocator` is a ready
+allocator of aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an
+:class:`ExternalDataLoader` (:class:`ChunkedExternalDataLoader` is the built-in one).
 Its options are parsed with :func:`parse_int_option`, :func:`parse_float_option`,
 :func:`parse_bool_option`, :func:`parse_choice_option` and
 :func:`reject_unknown_options`, so every backend reads a value the same way.
+
+For sessions it offers an :class:`Ep`: ``get_capability`` looks at a
+:class:`GraphView` (:class:`Node`, :class:`ValueInfo`, :class:`Initializer`) and
+returns :class:`IndexedSubGraph` claims (with a :class:`MetaDef` for a fused group);
+``compile`` turns each :class:`FusedGroup` into a :class:`CompiledNode`.
+:data:`HOST_MEMORY_INFO` is host RAM, for an EP that takes host tensors, and
+:func:`register_dlpack_exporter` lets ``Tensor.__dlpack__`` hand device tensors to
+other libraries.
+
 ``backends/sim`` is the reference implementation to copy.
 """
+
+import typing
 
 from ._allocator import Allocator as Allocator
 from ._chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
 from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
 from ._ep import CompiledNode as CompiledNode
 from ._ep import Ep as Ep
-from ._external_data import ExternalDataLoader as ExternalDataLoader
+from ._ep import FusedGroup as FusedGroup
+from ._ep import IndexedSubGraph as IndexedSubGraph
+from ._ep import MetaDef as MetaDef
+from ._external_data_loader import ExternalDataLoader as ExternalDataLoader
 from ._factory import EpFactory as EpFactory
 from ._factory import FactoryOptions as FactoryOptions
+from ._graph import GraphView as GraphView
+from ._graph import Initializer as Initializer
+from ._graph import Node as Node
+from ._graph import ValueInfo as ValueInfo
 from ._host import HostAllocator as HostAllocator
 from ._options import parse_bool_option as parse_bool_option
 from ._options import parse_choice_option as parse_choice_option
@@ -30,28 +54,45 @@ from ._stream_impl import HostNotification as HostNotification
 from ._stream_impl import NotificationImpl as NotificationImpl
 from ._stream_impl import StreamImpl as StreamImpl
 from ._stream_impl import ThreadStream as ThreadStream
-from ._transfer import CopyPair as CopyPair
+from ._tensor import HOST_MEMORY_INFO as HOST_MEMORY_INFO
+from ._tensor import register_dlpack_exporter as register_dlpack_exporter
+from ._transfer import CopyPair as _CopyPair
 from ._transfer import DataTransfer as DataTransfer
+
+# Bound here rather than re-exported so that it carries its docstring (the defining
+# module's alias has none).
+CopyPair: typing.TypeAlias = _CopyPair
+"""One copy: a ``(source, destination)`` tensor pair, as :meth:`DataTransfer.copy_tensors`
+receives it."""
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "HOST_MEMORY_INFO",
     "Allocator",
     "ChunkedExternalDataLoader",
     "CompiledNode",
-    "Ep",
     "CopyPair",
     "DataTransfer",
+    "Ep",
     "EpFactory",
     "ExternalDataLoader",
     "FactoryOptions",
+    "FusedGroup",
+    "GraphView",
     "HostAllocator",
     "HostNotification",
+    "IndexedSubGraph",
+    "Initializer",
+    "MetaDef",
+    "Node",
     "NotificationImpl",
     "StreamImpl",
     "ThreadStream",
+    "ValueInfo",
     "parse_bool_option",
     "parse_choice_option",
     "parse_float_option",
     "parse_int_option",
+    "register_dlpack_exporter",
     "reject_unknown_options",
 ]

@@ -11,7 +11,7 @@ Layout: ``_driver`` (the driver boundary: loading, result checks, contexts),
 ``_allocator``, ``_transfer``, ``_dlpack``, ``_factory``.
 """
 
-from aioep._tensor import _dlpack_exporters
+from aioep.abc import register_dlpack_exporter
 
 from ._allocator import CudaDeviceAllocator as CudaDeviceAllocator
 from ._allocator import CudaPinnedAllocator as CudaPinnedAllocator
@@ -37,4 +37,4 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_dlpack_exporters.setdefault(NVIDIA_VENDOR_ID, export_dlpack)
+register_dlpack_exporter(NVIDIA_VENDOR_ID, export_dlpack)

@@ -1,6 +1,6 @@
 """DLPack export of tensors in CUDA device memory, built with ctypes (no compiled code).
 
-Registered in ``aioep._tensor._dlpack_exporters`` under NVIDIA's vendor id, so
+Registered with ``aioep.abc.register_dlpack_exporter`` under NVIDIA's vendor id, so
 ``torch.from_dlpack(t)`` / ``cupy.from_dlpack(t)`` take a CUDA tensor zero-copy.
 The capsule is a legacy ``"dltensor"`` one (DLPack 0.8 ABI), which every
 consumer accepts.

@@ -30,9 +30,15 @@ import anyio.to_thread
 import numpy as np
 
 from aioep import ClosedError, InvalidArgument, MemoryInfo, SyncStream, Tensor
-from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef
-from aioep._graph import GraphView
-from aioep._tensor import HOST_MEMORY_INFO
+from aioep.abc import (
+    HOST_MEMORY_INFO,
+    CompiledNode,
+    Ep,
+    FusedGroup,
+    GraphView,
+    IndexedSubGraph,
+    MetaDef,
+)
 
 from ._binding import DeviceIO
 from ._ort import ort, translate

@@ -18,8 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aioep import InvalidArgument, MemoryType, SyncStream, Tensor
-from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef
-from aioep._graph import GraphView, Node
+from aioep.abc import CompiledNode, Ep, FusedGroup, GraphView, IndexedSubGraph, MetaDef, Node
 
 from ._stream import SimStream
 
