@@ -228,7 +228,11 @@ def _all_node_cases() -> tuple[TestCase, ...]:
 
 @functools.cache
 def _model_cases(kind: str) -> tuple[TestCase, ...]:
-    return tuple(sorted(load_model_tests(kind=kind), key=lambda c: c.name))
+    # Only cases whose data the onnx wheel holds: older wheels (onnx < 1.18) list the "real"
+    # models as URLs, and ONNX's runner would download them, retrying with sleeps (CI has
+    # no network: minutes lost per case, and nothing to compare).
+    cases = (c for c in load_model_tests(kind=kind) if c.model_dir is not None)
+    return tuple(sorted(cases, key=lambda c: c.name))
 
 
 def _sample(target: str) -> dict[str, list[TestCase]]:
