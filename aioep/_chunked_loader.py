@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedExternalDataLoader"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+"""The built-in loader's read size (and staging buffer size): 16 MiB."""
 _O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
 
 

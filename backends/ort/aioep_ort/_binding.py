@@ -105,7 +105,7 @@ class DeviceIO:
         if tensor.nbytes == 0:
             return None
         block = self._map.find(tensor.data_ptr, tensor.nbytes)
-        if block.start == block.values[0].data_ptr():
+        if not block.opaque:
             return tensor.data_ptr  # real addresses: any offset is a valid pointer
         offset = tensor.data_ptr - block.start
         index, rem = divmod(offset, block.segment_bytes)

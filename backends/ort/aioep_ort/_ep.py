@@ -41,6 +41,7 @@ from aioep.abc import (
 )
 
 from ._binding import DeviceIO
+from ._memory import release_in_background
 from ._ort import ort, translate
 from ._registry import Registration
 
@@ -125,13 +126,13 @@ class _OrtGroup(CompiledNode):
         keep = [io.bind_input(binding, name, t) for name, t in inputs.items()]
         for name in self._meta.outputs:
             io.bind_output(binding, name)
-        try:
-            with self._device_lock:
+        with self._device_lock:
+            try:
                 session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
-        values = binding.get_outputs()
-        del keep
+            except Exception as exc:
+                raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
+            values = binding.get_outputs()
+            del binding, keep  # ORT's references go under the lock, like every release
         return [io.adopt(v) for v in values]
 
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
@@ -144,7 +145,22 @@ class _OrtGroup(CompiledNode):
         return [Tensor.from_numpy(_owned_by_aioep(results[i], regs)) for i in self._positions]
 
     def release(self) -> None:
-        self._session = None
+        session, self._session = self._session, None
+        if session is None:
+            return
+        # Destroying an ORT session frees its device buffers (which needs the device lock) and
+        # joins its thread pool: the releaser thread does it, never the caller (the event
+        # loop). The session counts on the registrations until then, so that no library is
+        # unregistered from ORT under it.
+        held = [session]
+        del session
+
+        def drop() -> None:
+            held.clear()
+            for reg in self._registrations:
+                reg.value_released()
+
+        release_in_background(self._device_lock, drop)
 
 
 class OrtPluginEp(Ep):
@@ -218,10 +234,14 @@ class OrtPluginEp(Ep):
             model = graph.extract_model([n.index for n in group.nodes], meta.inputs, meta.outputs)
             so = rt.SessionOptions()
             so.log_severity_level = 3
+            for reg in self._registrations:
+                reg.value_created()  # released with the session (_OrtGroup.release)
             try:
                 so.add_provider_for_devices(self._ort_devices, self._provider_options)
                 session = rt.InferenceSession(model.SerializeToString(), sess_options=so)
             except Exception as exc:
+                for reg in self._registrations:
+                    reg.value_released()
                 raise translate(
                     exc, f"{self.name}: creating the onnxruntime session for {meta.name!r}"
                 ) from exc

@@ -11,13 +11,23 @@ then run at most a few segments per call and release the GIL between calls (ORT'
 binding holds it for a whole ``copy_tensors`` call). The segment size is chosen
 per allocation: ``chunk_bytes`` where set, otherwise what the transfer's pacer
 measured a ``chunk_ms`` call to move (1-16 MiB; 8 MiB before any copy).
+
+Every ORT call that creates, uses or releases device memory holds the library's
+``Registration.device_lock`` (ORT's WebGPU EP crashes when a buffer is created or
+released on one thread while a copy or run uses the device on another). So that the
+event loop never waits for that lock: a buffer with opaque handles is virtual at
+first, and its OrtValues are created on first use, in the worker thread that copies
+or runs; and a buffer whose lock is busy when it is freed is released by a
+background thread.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,16 +66,83 @@ class Block:
     nbytes: int
     segment_bytes: int
     values: list[Any]
+    """One OrtValue per segment; ``None`` for a segment not created yet (opaque memory)."""
     ort_memory_info: Any
-    device_lock: threading.RLock
-    """The library's lock for ORT calls on its devices (``Registration.device_lock``)."""
+    registration: Registration
+    opaque: bool
+    """Device pointers are handles (WebGPU): ``start`` is a virtual address."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Serialises read-modify-write of partly covered segments."""
 
+    @property
+    def device_lock(self) -> threading.RLock:
+        """The library's lock for ORT calls on its devices."""
+        return self.registration.device_lock
+
+    def size(self, index: int) -> int:
+        """The size in bytes of segment ``index``."""
+        return min(self.segment_bytes, self.nbytes - index * self.segment_bytes)
+
     def segment(self, index: int) -> tuple[Any, int]:
-        """The OrtValue of segment ``index`` and its size in bytes."""
-        size = min(self.segment_bytes, self.nbytes - index * self.segment_bytes)
-        return self.values[index], size
+        """The OrtValue of segment ``index`` (created now if it was not yet) and its size."""
+        size = self.size(index)
+        value = self.values[index]
+        if value is None:
+            with self.device_lock:
+                value = self.values[index]
+                if value is None:
+                    value = self.values[index] = _new_value(
+                        self.registration, self.ort_memory_info, size
+                    )
+        return value, size
+
+    def release(self) -> None:
+        """Give the OrtValues back to ORT: now if the device lock is free, else from the
+        releaser thread (never blocking the caller, which may be the event loop)."""
+        if self.device_lock.acquire(blocking=False):
+            try:
+                self._drop()
+            finally:
+                self.device_lock.release()
+        else:
+            release_in_background(self.device_lock, self._drop)
+
+    def _drop(self) -> None:
+        made = sum(v is not None for v in self.values)
+        self.values.clear()  # the last references: ORT releases the memory here
+        for _ in range(made):
+            self.registration.value_released()
+
+
+def _new_value(registration: Registration, ort_memory_info: Any, nbytes: int) -> Any:
+    """A uint8 OrtValue of ``nbytes`` in ``ort_memory_info``, counted on ``registration``
+    (call with the device lock held)."""
+    if ort_memory_info is None:
+        raise DeviceError(f"ORT library {registration.name!r} was unregistered")
+    registration.value_created()
+    try:
+        return ort().OrtValue.ortvalue_from_shape_and_type(
+            (nbytes,), np.uint8, memory_info=ort_memory_info
+        )
+    except Exception as exc:
+        registration.value_released()
+        raise translate(exc, f"allocating {nbytes} bytes through ORT") from exc
+
+
+@functools.cache
+def _releaser() -> ThreadPoolExecutor:
+    # One thread: releases wait for the device lock there, in the order they were freed.
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="aioep-ort-release")
+
+
+def release_in_background(lock: threading.RLock, drop: Callable[[], None]) -> None:
+    """Call ``drop`` (which releases ORT objects) with ``lock`` held, in the releaser thread."""
+
+    def run() -> None:
+        with lock:
+            drop()
+
+    _releaser().submit(run)
 
 
 class AddressMap:
@@ -135,68 +212,35 @@ class OrtAllocator(Allocator):
         self._device_check = device_check
         self._opaque: bool | None = None  # device pointers are handles (WebGPU)
 
-    def _new_value(self, nbytes: int) -> Any:
-        self._registration.value_created()
-        try:
-            return ort().OrtValue.ortvalue_from_shape_and_type(
-                (nbytes,), np.uint8, memory_info=self._ort_memory_info
-            )
-        except Exception as exc:
-            self._registration.value_released()
-            raise translate(
-                exc, f"allocating {nbytes} bytes on {self.memory_info.name!r} through ORT"
-            ) from exc
-
-    def _drop_values(self, values: list[Any]) -> None:
-        n = len(values)
-        values.clear()  # the last references: ORT releases the memory here
-        for _ in range(n):
-            self._registration.value_released()
-
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
-        if self._ort_memory_info is None:
+        omi = self._ort_memory_info
+        if omi is None:
             raise DeviceError(f"allocator {self.memory_info.name!r}: its library was unregistered")
         if self._device_check and self.memory_info.memory_type is MemoryType.DEFAULT:
             self._registration.check_device(self._device_index)
+        reg = self._registration
         seg = self._segment_bytes()
-        values: list[Any] = []
-        try:
-            first = self._new_value(min(nbytes, seg) if seg else nbytes)
-            values.append(first)
-            if self._opaque is None:
-                self._opaque = bool(getattr(first, "_is_webgpu_buffer", False))
-            if self._opaque and seg:
-                for offset in range(seg, nbytes, seg):
-                    values.append(self._new_value(min(seg, nbytes - offset)))
-                block = Block(
-                    _virtual_range(nbytes),
-                    nbytes,
-                    seg,
-                    values,
-                    self._ort_memory_info,
-                    self._registration.device_lock,
-                )
-            else:
-                if seg and nbytes > seg:  # real addresses: one contiguous OrtValue
-                    self._drop_values(values)
-                    values.append(self._new_value(nbytes))
-                block = Block(
-                    int(values[0].data_ptr()),
-                    nbytes,
-                    nbytes,
-                    values,
-                    self._ort_memory_info,
-                    self._registration.device_lock,
-                )
-        except BaseException:
-            self._drop_values(values)
-            raise
+        if self._opaque is None:
+            # The first allocation finds out what the device's pointers are.
+            with reg.device_lock:
+                probe = _new_value(reg, omi, 1)
+            self._opaque = bool(getattr(probe, "_is_webgpu_buffer", False))
+            Block(0, 1, 1, [probe], omi, reg, self._opaque).release()
+        if self._opaque:
+            # Virtual until used: the segments' OrtValues are made by the first copy or run.
+            seg = seg or nbytes
+            count = -(-nbytes // seg)
+            block = Block(_virtual_range(nbytes), nbytes, seg, [None] * count, omi, reg, True)
+        else:
+            # Real addresses: one contiguous OrtValue, made now (its address is the pointer).
+            with reg.device_lock:
+                value = _new_value(reg, omi, nbytes)
+            block = Block(int(value.data_ptr()), nbytes, nbytes, [value], omi, reg, False)
         self._map.add(block)
         return block.start
 
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        block = self._map.pop(ptr)
-        self._drop_values(block.values)
+        self._map.pop(ptr).release()
 
     def _close(self) -> None:
         self._ort_memory_info = None
@@ -205,22 +249,12 @@ class OrtAllocator(Allocator):
         """A buffer of this allocator over ``value``, an OrtValue of ``nbytes`` that ORT
         allocated in this memory (a session output): it holds the value, counts on the
         library's registration, and gives it back to ORT when the buffer is freed."""
-        self._registration.value_created()
-        try:
-            opaque = bool(getattr(value, "_is_webgpu_buffer", False))
-            start = _virtual_range(nbytes) if opaque else int(value.data_ptr())
-            block = Block(
-                start,
-                nbytes,
-                nbytes,
-                [value],
-                self._ort_memory_info,
-                self._registration.device_lock,
-            )
-            self._map.add(block)
-        except BaseException:
-            self._registration.value_released()
-            raise
+        reg = self._registration
+        reg.value_created()
+        opaque = bool(getattr(value, "_is_webgpu_buffer", False))
+        start = _virtual_range(nbytes) if opaque else int(value.data_ptr())
+        block = Block(start, nbytes, nbytes, [value], self._ort_memory_info, reg, opaque)
+        self._map.add(block)
         return self.adopt(start, nbytes)
 
     def ort_value(self, tensor: Tensor) -> Any:

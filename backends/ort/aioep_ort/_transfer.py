@@ -194,7 +194,7 @@ def _dev_piece(block: Block, pos: int, length: int) -> _Dev:
 
 def _whole(piece: _Dev) -> bool:
     block, index, offset, length = piece
-    return offset == 0 and length == block.segment(index)[1]
+    return offset == 0 and length == block.size(index)
 
 
 def _ov(piece: Any) -> Any:
