@@ -6,15 +6,11 @@ import importlib.metadata
 import subprocess
 import sys
 
-import hypothesis  # noqa: F401
 import pytest
 
 from aioep.pytest_plugin import gpu_available
 
 pytest_plugins = ["pytester"]
-
-# hypothesis is imported above, at collection: an in-process run's hypothesis plugin would
-# import it inside a test otherwise, and trio's hook then warns (an error here).
 
 SIM_INSTALLED = any(
     e.name == "sim" for e in importlib.metadata.entry_points(group="aioep.backends")
