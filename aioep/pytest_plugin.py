@@ -53,7 +53,7 @@ from ._pytest_entry import add_markers, add_options, entry_point, ini
 __all__ = ["entry_point", "gpu_available"]
 
 SIM_EP_NAME = "SimExecutionProvider"
-LOOP_SCOPES = ("function", "class", "module", "package", "session")
+_LOOP_SCOPES = ("function", "class", "module", "package", "session")
 """pytest-asyncio's event-loop scopes; ``aioep_env`` has one private fixture per scope."""
 
 _ASYNCIO_FIXTURES = "aioep._pytest_asyncio"
@@ -192,7 +192,7 @@ def _leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @asynccontextmanager
-async def environment_for(request: pytest.FixtureRequest) -> AsyncIterator[Environment]:
+async def _environment_for(request: pytest.FixtureRequest) -> AsyncIterator[Environment]:
     """The body of ``aioep_env`` for a test that runs on an event loop (anyio or pytest-asyncio).
 
     Opens the environment off the loop in the fixture's task, so that it is current in the
@@ -215,7 +215,7 @@ async def _aioep_env_anyio(
     request: pytest.FixtureRequest, anyio_backend: object
 ) -> AsyncIterator[Environment]:
     """``aioep_env`` for a test that anyio's plugin runs (asyncio or trio)."""
-    async with environment_for(request) as env:
+    async with _environment_for(request) as env:
         yield env
 
 
@@ -250,7 +250,7 @@ def _env_fixture_name(request: pytest.FixtureRequest) -> str:
         kwargs = marker.kwargs if marker is not None else {}
         scope = kwargs.get("loop_scope") or kwargs.get("scope")
         scope = scope or request.config.getini("asyncio_default_test_loop_scope") or "function"
-        if scope not in LOOP_SCOPES:
+        if scope not in _LOOP_SCOPES:
             raise pytest.UsageError(f"{item.nodeid}: unknown pytest-asyncio loop scope {scope!r}")
         return f"_aioep_env_asyncio_{scope}"
     if "anyio_backend" in request.fixturenames:
