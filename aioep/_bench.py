@@ -12,6 +12,14 @@ Per device pair (``host->host``, ``host->sim:0``, ``sim:0->host`` ...) it measur
 
 It runs under asyncio (the baselines are asyncio's). The numbers are for
 comparing on one machine in one run; they are not a benchmark suite.
+
+Every series of timings (aioep's and each baseline's) is a :class:`pyperf.Benchmark`:
+pyperf computes the statistics (best value, median), and ``--pyperf FILE.json``
+writes them all as a pyperf suite for ``python -m pyperf stats|hist|compare_to``.
+pyperf's own :class:`pyperf.Runner` does not fit: it measures one function per
+worker *process* and parses the command line itself, while ``bench`` must time
+awaits on devices that one process's environment opened, and print aioep and its
+baseline side by side from one run.
 """
 
 from __future__ import annotations
@@ -21,13 +29,13 @@ import asyncio
 import functools
 import json
 import math
-import statistics
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -40,6 +48,9 @@ from ._errors import InvalidArgument
 from ._stream import SyncStream
 from ._tensor import Tensor
 from ._types import DeviceType, MemoryType
+
+if TYPE_CHECKING:
+    import pyperf
 
 __all__ = [
     "BandwidthPoint",
@@ -90,10 +101,20 @@ class BenchReport:
     devices: list[str] = field(default_factory=list)
     load_errors: dict[str, str] = field(default_factory=dict)
     quick: bool = False
+    benchmarks: list[pyperf.Benchmark] = field(default_factory=list, repr=False, compare=False)
+    """Every timing series as a pyperf benchmark (``--pyperf`` writes them)."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``--json`` prints it)."""
-        return asdict(self)
+        """A JSON-ready dict of the summary (``--json`` prints it; ``benchmarks`` left out)."""
+        data = asdict(replace(self, benchmarks=[]))
+        del data["benchmarks"]
+        return data
+
+    def dump_pyperf(self, path: str) -> None:
+        """Write every timing series as a pyperf benchmark suite (JSON) to ``path``."""
+        import pyperf
+
+        pyperf.BenchmarkSuite(self.benchmarks).dump(path, replace=True)
 
 
 def _label(dev: EpDevice) -> str:
@@ -129,28 +150,46 @@ def _pick_devices(env: Environment, wanted: str | None) -> list[EpDevice]:
     return chosen
 
 
-async def _best_time(fn: Callable[[], Awaitable[object]], budget: float, reps: int) -> float:
-    """Best wall time of ``fn`` over at least ``reps`` runs (more while ``budget`` lasts)."""
-    await fn()  # warm up: first-touch page faults, thread start-up
-    best = math.inf
-    start = time.perf_counter()
-    n = 0
-    while n < reps or (time.perf_counter() - start < budget and n < 50):
-        t0 = time.perf_counter()
-        await fn()
-        best = min(best, time.perf_counter() - t0)
-        n += 1
-    return best
+def _benchmark(
+    report: BenchReport, name: str, values: Sequence[float], warmups: Sequence[float]
+) -> pyperf.Benchmark:
+    """``values`` (seconds) as a pyperf benchmark named ``name``, kept in ``report``."""
+    import pyperf
+
+    run = pyperf.Run(
+        [max(v, 1e-12) for v in values],  # pyperf takes positive values; a clock tick is 0
+        warmups=[(1, max(w, 0.0)) for w in warmups],
+        metadata={"name": name, "unit": "second", "loops": 1},
+        collect_metadata=False,
+    )
+    bench = pyperf.Benchmark([run])
+    report.benchmarks.append(bench)
+    return bench
 
 
-async def _median_us(fn: Callable[[], Awaitable[object]], n: int) -> float:
+async def _measure(
+    report: BenchReport,
+    name: str,
+    fn: Callable[[], Awaitable[object]],
+    *,
+    values: int,
+    budget: float = 0.0,
+    max_values: int = 50,
+) -> pyperf.Benchmark:
+    """Time ``await fn()``: one warm-up (first-touch page faults, thread start-up), then
+    ``values`` timings, more while ``budget`` seconds last (up to ``max_values``)."""
+    t0 = time.perf_counter()
     await fn()
-    samples = []
-    for _ in range(n):
+    warmup = time.perf_counter() - t0
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < values or (
+        time.perf_counter() - start < budget and len(samples) < max_values
+    ):
         t0 = time.perf_counter()
         await fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+    return _benchmark(report, name, samples, [warmup])
 
 
 def _pairs(
@@ -184,13 +223,20 @@ async def _bench_device(
         async def baseline(a: npt.NDArray[np.uint8] = a, b: npt.NDArray[np.uint8] = b) -> None:
             np.copyto(b, a)
 
-        base = await _best_time(baseline, budget, reps)
+        size = _size(nbytes)
+        name = f"copy {size}: numpy.copyto (beside {_label(dev)})"
+        base = min(
+            (await _measure(report, name, baseline, values=reps, budget=budget)).get_values()
+        )
         for label, src, dst in _pairs(env, dev, nbytes):
 
             async def copy(src: Any = src, dst: Any = dst) -> None:
                 await env.copy_tensors([src], [dst], stream)
 
-            t = await _best_time(copy, budget, reps)
+            bench = await _measure(
+                report, f"copy {size}: {label}", copy, values=reps, budget=budget
+            )
+            t = min(bench.get_values())  # best of N: the bandwidth the path can reach
             report.bandwidth.append(
                 BandwidthPoint(label, nbytes, nbytes / t / 1e9, nbytes / base / 1e9)
             )
@@ -201,27 +247,38 @@ async def _bench_device(
     async def to_thread() -> None:
         await anyio.to_thread.run_sync(np.copyto, b4, a4)
 
-    thread_us = await _median_us(to_thread, n_lat)
+    size = _size(LATENCY_BYTES)
+    name = f"latency {size}: to_thread (beside {_label(dev)})"
+    thread_us = (await _measure(report, name, to_thread, values=n_lat)).median() * 1e6
     for label, src, dst in _pairs(env, dev, LATENCY_BYTES):
 
         async def small(src: Any = src, dst: Any = dst) -> None:
             await env.copy_tensors([src], [dst], stream)
 
+        bench = await _measure(report, f"latency {size}: {label}", small, values=n_lat)
         report.copy_latency.append(
-            LatencyPoint(label, await _median_us(small, n_lat), thread_us, "to_thread")
+            LatencyPoint(label, bench.median() * 1e6, thread_us, "to_thread")
         )
     if stream is not None:
+        label = _label(dev)
         ours = await _wake_latency(env, dev, stream, n_lat)
         theirs = await _call_soon_threadsafe_latency(n_lat)
-        report.wake_latency.append(LatencyPoint(_label(dev), ours, theirs, "call_soon_threadsafe"))
+        # The first sample of each is a warm-up (thread start-up, first wake of the loop).
+        ours_us = math.nan
+        if ours:
+            warm, timed = (ours[:1], ours[1:]) if len(ours) > 1 else ([], ours)
+            ours_us = _benchmark(report, f"wake: {label}", timed, warm).median() * 1e6
+        name = f"wake: call_soon_threadsafe (beside {label})"
+        theirs_us = _benchmark(report, name, theirs[1:], theirs[:1]).median() * 1e6
+        report.wake_latency.append(LatencyPoint(label, ours_us, theirs_us, "call_soon_threadsafe"))
 
 
 def _stamp(into: list[tuple[float, int]]) -> None:
     into.append((time.perf_counter(), threading.get_ident()))
 
 
-async def _wake_latency(env: Environment, dev: EpDevice, stream: SyncStream, n: int) -> float:
-    """Median time from the stream thread completing a copy to the awaiting task running."""
+async def _wake_latency(env: Environment, dev: EpDevice, stream: SyncStream, n: int) -> list[float]:
+    """Times (s) from the stream thread completing a copy to the awaiting task running."""
     _, src, dst = _pairs(env, dev, WAKE_BYTES)[0]
     samples: list[float] = []
     here = threading.get_ident()
@@ -233,10 +290,10 @@ async def _wake_latency(env: Environment, dev: EpDevice, stream: SyncStream, n: 
         woke = time.perf_counter()
         if stamp and stamp[0][1] != here:  # completed on the device thread, not inline
             samples.append(woke - stamp[0][0])
-    return statistics.median(samples[1:] or samples or [math.nan]) * 1e6
+    return samples  # empty when every copy completed inline: no wake to time
 
 
-async def _call_soon_threadsafe_latency(n: int) -> float:
+async def _call_soon_threadsafe_latency(n: int) -> list[float]:
     """The same measurement for a plain thread that wakes the loop with call_soon_threadsafe."""
     loop = asyncio.get_running_loop()
     a = np.ones(WAKE_BYTES, np.uint8)
@@ -252,7 +309,7 @@ async def _call_soon_threadsafe_latency(n: int) -> float:
         threading.Thread(target=work, daemon=True).start()
         stamped = await fut
         samples.append(time.perf_counter() - stamped)
-    return statistics.median(samples[1:]) * 1e6
+    return samples
 
 
 async def run_bench(
@@ -270,7 +327,16 @@ async def run_bench(
         quick: two sizes and few repetitions (a smoke test, a second or two).
         sizes: transfer sizes in bytes (default: 4 KiB to 64 MiB).
         backend_options: passed to :class:`Environment`, e.g. ``{"sim": {"bandwidth_gbps": 8}}``.
+
+    Raises:
+        ModuleNotFoundError: pyperf is not installed (``pip install "aioep[bench]"``).
     """
+    try:
+        import pyperf  # noqa: F401  (the statistics and the --pyperf suite)
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            'python -m aioep bench measures with pyperf: pip install "aioep[bench]"'
+        ) from exc
     report = BenchReport(quick=quick)
     chosen_sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
     env = Environment(backend_options=backend_options)
@@ -394,6 +460,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write bandwidth vs size (needs matplotlib)")
+    p.add_argument(
+        "--pyperf",
+        metavar="FILE.json",
+        help="write every timing series as a pyperf suite (python -m pyperf stats FILE.json)",
+    )
     p.add_argument("--quick", action="store_true", help="two sizes, few repetitions (a smoke test)")
     p.add_argument(
         "-o",
@@ -410,11 +481,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """Run ``bench`` with parsed arguments; returns the exit status."""
     options = parse_backend_options(args.backend_option)
-    report = anyio.run(
-        lambda: run_bench(device=args.device, quick=args.quick, backend_options=options),
-        backend="asyncio",
-    )
+    try:
+        report = anyio.run(
+            lambda: run_bench(device=args.device, quick=args.quick, backend_options=options),
+            backend="asyncio",
+        )
+    except ModuleNotFoundError as exc:
+        print(f"aioep bench: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
+    if args.pyperf:
+        report.dump_pyperf(args.pyperf)
+        if not args.json:
+            print(f"\npyperf suite written to {args.pyperf}")
     if args.plot:
         plot_report(report, args.plot)
         if not args.json:

@@ -43,6 +43,12 @@ def add_options(parser: pytest.Parser) -> None:
         type="linelist",
         default=[],
     )
+    parser.addini(
+        "aioep_leaks",
+        "what aioep_env does with streams, sessions and buffers still alive when it closes: "
+        "error (fail the test's teardown, the default) or warn (a ResourceWarning)",
+        default="error",
+    )
 
 
 def add_markers(config: pytest.Config) -> None:

@@ -18,12 +18,16 @@ registers it directly; both ways can be combined without conflict.
 
 Once enabled you get:
 
-* ``aioep_env``: an open :class:`aioep.Environment` per test (async fixture;
-  mark the test with ``pytest.mark.anyio``). Backends come from the marker
-  ``@pytest.mark.aioep_backends("sim", options={"sim": {...}})``, else from the
-  ini key ``aioep_backends``, else every installed backend. A chosen backend
-  that is installed but cannot start (no driver) skips the test; one that is
-  not installed fails it.
+* ``aioep_env``: an open :class:`aioep.Environment` per test, opened and closed
+  on the event loop that runs the test: anyio's (``pytest.mark.anyio``, asyncio
+  or trio), pytest-asyncio's (``pytest.mark.asyncio`` or its auto mode, in the
+  test's loop scope), or none for a synchronous test. Backends come from the
+  marker ``@pytest.mark.aioep_backends("sim", options={"sim": {...}})``, else from
+  the ini key ``aioep_backends``, else every installed backend. A chosen backend
+  that is installed but cannot start (no driver) skips the test; one that is not
+  installed fails it. Streams, sessions or buffers still alive when the
+  environment closes fail the test's teardown (ini ``aioep_leaks = warn`` turns
+  that into a :class:`ResourceWarning`).
 * ``sim_device``: the first ``SimExecutionProvider`` device of ``aioep_env``
   (skips the test when the sim backend offers none).
 * ``@pytest.mark.aioep_gpu``: skips the test unless ``cuInit`` finds an NVIDIA
@@ -33,8 +37,11 @@ Once enabled you get:
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import warnings
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import pytest
@@ -46,6 +53,12 @@ from ._pytest_entry import add_markers, add_options, entry_point, ini
 __all__ = ["entry_point", "gpu_available"]
 
 SIM_EP_NAME = "SimExecutionProvider"
+_LOOP_SCOPES = ("function", "class", "module", "package", "session")
+"""pytest-asyncio's event-loop scopes; ``aioep_env`` has one private fixture per scope."""
+
+_ASYNCIO_FIXTURES = "aioep._pytest_asyncio"
+_PYTEST_ASYNCIO_NAMES = ("asyncio", "pytest_asyncio.plugin", "pytest_asyncio")
+_call_failed = pytest.StashKey[bool]()
 
 
 # -- the plugin proper (active once this module is registered) ------------------------------
@@ -57,8 +70,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``aioep_backends`` and ``aioep_gpu`` markers."""
+    """Register the markers, and ``aioep_env``'s pytest-asyncio fixtures where it is active."""
     add_markers(config)
+    leaks = ini(config, "aioep_leaks", "error")
+    if leaks not in ("error", "warn"):
+        raise pytest.UsageError(f"ini aioep_leaks: expected error or warn, got {leaks!r}")
+    pm = config.pluginmanager
+    if any(pm.has_plugin(n) for n in _PYTEST_ASYNCIO_NAMES) and not pm.has_plugin(
+        _ASYNCIO_FIXTURES
+    ):
+        # Imported only here: pytest_asyncio is then already imported (and rewritten) by pytest.
+        pm.register(importlib.import_module(_ASYNCIO_FIXTURES), _ASYNCIO_FIXTURES)
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,6 +110,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.skip(f"needs an NVIDIA GPU: {why}")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Note a failed test call: its traceback keeps its locals (and their tensors) alive."""
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_call_failed] = True
+    return report
+
+
+# -- aioep_env: one environment per test, on the loop that runs the test ---------------------
+
+
 def _env_arguments(request: pytest.FixtureRequest) -> tuple[list[str] | None, dict[str, Any]]:
     marker = request.node.get_closest_marker("aioep_backends")
     if marker is not None:
@@ -103,36 +139,145 @@ def _env_arguments(request: pytest.FixtureRequest) -> tuple[list[str] | None, di
     return (configured or None), {}
 
 
-@pytest.fixture
-async def aioep_env(
-    request: pytest.FixtureRequest, anyio_backend: object
-) -> AsyncIterator[Environment]:
-    """An open :class:`aioep.Environment` for one test, closed after it.
+def _check_backends(env: Environment, names: list[str] | None) -> None:
+    """Fail the test for a backend that is not installed; skip it for one that cannot start."""
+    for name in names or ():
+        why = env.load_errors.get(name)
+        if why is None or name in env.libraries:
+            continue
+        if why.startswith("no backend named"):
+            pytest.fail(
+                f"aioep backend {name!r} is not installed (entry-point group aioep.backends)",
+                pytrace=False,
+            )
+        pytest.skip(f"aioep backend {name!r} cannot start here: {why}")
 
-    Backends: the test's ``aioep_backends`` marker, else the ``aioep_backends``
-    ini key, else every installed backend. The environment is current inside
-    the test, so ``aioep.copy_tensors`` and ``aioep.current_environment()`` find it.
+
+@contextmanager
+def _quiet_backend_failures() -> Iterator[None]:
+    # A backend that cannot start is reported in env.load_errors; _check_backends decides.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+@contextmanager
+def _leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Report what the environment found still alive while it closed (its ResourceWarnings).
+
+    The warnings are caught (``warnings.catch_warnings`` also covers the worker thread
+    that releases the environment), so the close always runs to the end, even under
+    ``-W error``; other warnings are re-emitted as they were.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    for w in caught:
+        if w not in leaks:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if not leaks or request.node.stash.get(_call_failed, False):
+        return  # a failed test's traceback holds its locals: that is not a leak
+    if ini(request.config, "aioep_leaks", "error") == "warn":
+        for w in leaks:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        return
+    found = "\n".join(f"  - {w.message}" for w in leaks)
+    pytest.fail(
+        f"{request.node.nodeid} left aioep resources alive past its environment (aioep_env):\n"
+        f"{found}\nclose streams and sessions and drop tensors before the test ends "
+        "(ini aioep_leaks = warn reports this as a ResourceWarning instead)",
+        pytrace=False,
+    )
+
+
+@asynccontextmanager
+async def _environment_for(request: pytest.FixtureRequest) -> AsyncIterator[Environment]:
+    """The body of ``aioep_env`` for a test that runs on an event loop (anyio or pytest-asyncio).
+
+    Opens the environment off the loop in the fixture's task, so that it is current in the
+    test's context, and closes it after the test with the leak check.
     """
     names, options = _env_arguments(request)
     env = Environment(backends=names, backend_options=options)
-    with warnings.catch_warnings():
-        # A backend that cannot start is reported in env.load_errors; decide below.
-        warnings.simplefilter("ignore", RuntimeWarning)
-        env.open()
+    with _quiet_backend_failures():
+        await env.__aenter__()
     try:
-        for name in names or ():
-            why = env.load_errors.get(name)
-            if why is None or name in env.libraries:
-                continue
-            if why.startswith("no backend named"):
-                pytest.fail(
-                    f"aioep backend {name!r} is not installed (entry-point group aioep.backends)",
-                    pytrace=False,
-                )
-            pytest.skip(f"aioep backend {name!r} cannot start here: {why}")
+        _check_backends(env, names)
         yield env
     finally:
-        await env.aclose()
+        with _leak_check(request):
+            await env.aclose()
+
+
+@pytest.fixture
+async def _aioep_env_anyio(
+    request: pytest.FixtureRequest, anyio_backend: object
+) -> AsyncIterator[Environment]:
+    """``aioep_env`` for a test that anyio's plugin runs (asyncio or trio)."""
+    async with _environment_for(request) as env:
+        yield env
+
+
+@pytest.fixture
+def _aioep_env_sync(request: pytest.FixtureRequest) -> Iterator[Environment]:
+    """``aioep_env`` for a synchronous test: opened and closed with the blocking calls."""
+    names, options = _env_arguments(request)
+    env = Environment(backends=names, backend_options=options)
+    with _quiet_backend_failures():
+        env.open()
+    try:
+        _check_backends(env, names)
+        yield env
+    finally:
+        with _leak_check(request):
+            env.close()
+
+
+def _runs_on_pytest_asyncio(item: pytest.Item) -> bool:
+    if not item.config.pluginmanager.has_plugin(_ASYNCIO_FIXTURES):
+        return False
+    from pytest_asyncio import is_async_test
+
+    return bool(is_async_test(item))
+
+
+def _env_fixture_name(request: pytest.FixtureRequest) -> str:
+    """Which of ``aioep_env``'s private fixtures opens the environment for this test."""
+    item = request.node
+    if _runs_on_pytest_asyncio(item):
+        marker = item.get_closest_marker("asyncio")
+        kwargs = marker.kwargs if marker is not None else {}
+        scope = kwargs.get("loop_scope") or kwargs.get("scope")
+        scope = scope or request.config.getini("asyncio_default_test_loop_scope") or "function"
+        if scope not in _LOOP_SCOPES:
+            raise pytest.UsageError(f"{item.nodeid}: unknown pytest-asyncio loop scope {scope!r}")
+        return f"_aioep_env_asyncio_{scope}"
+    if "anyio_backend" in request.fixturenames:
+        return "_aioep_env_anyio"
+    obj = getattr(item, "obj", None)
+    if inspect.iscoroutinefunction(obj):
+        pytest.fail(
+            f"{item.nodeid} is async but no plugin runs it: mark it with pytest.mark.anyio or "
+            "pytest.mark.asyncio (pytest-asyncio), or use an auto mode",
+            pytrace=False,
+        )
+    return "_aioep_env_sync"
+
+
+@pytest.fixture
+def aioep_env(request: pytest.FixtureRequest) -> Environment:
+    """An open :class:`aioep.Environment` for one test, closed after it.
+
+    It is opened on the event loop that runs the test (anyio's, pytest-asyncio's in
+    the test's loop scope, or none for a synchronous test), so it is current inside
+    the test: ``aioep.copy_tensors`` and ``aioep.current_environment()`` find it.
+    Backends: the test's ``aioep_backends`` marker, else the ``aioep_backends`` ini
+    key, else every installed backend. Streams, sessions and buffers the test leaves
+    alive fail its teardown (or warn, with ini ``aioep_leaks = warn``).
+    """
+    env: Environment = request.getfixturevalue(_env_fixture_name(request))
+    return env
 
 
 @pytest.fixture

@@ -90,7 +90,27 @@ def test_cli_quick_json() -> None:
     assert data["quick"] is True
 
 
-def test_cli_quick_table_with_sim_options() -> None:
+async def test_statistics_come_from_pyperf(tmp_path: Path) -> None:
+    pyperf = pytest.importorskip("pyperf")
+    report = await run_bench(device="host", quick=True, sizes=[65536])
+    path = tmp_path / "bench.json"
+    report.dump_pyperf(str(path))
+    suite = {b.get_name(): b for b in pyperf.BenchmarkSuite.load(str(path)).get_benchmarks()}
+    copy = suite["copy 64 KiB: host->host"]
+    assert copy.get_unit() == "second"
+    assert copy.get_nvalue() >= 2
+    (point,) = report.bandwidth
+    assert point.aioep_gbps == pytest.approx(65536 / min(copy.get_values()) / 1e9)
+    (latency,) = report.copy_latency
+    assert latency.aioep_us == pytest.approx(suite["latency 4 KiB: host->host"].median() * 1e6)
+    assert latency.baseline_us == pytest.approx(
+        suite["latency 4 KiB: to_thread (beside host)"].median() * 1e6
+    )
+    assert "wake: call_soon_threadsafe (beside host)" in suite
+    assert "benchmarks" not in report.to_json()
+
+
+def test_cli_quick_table_with_sim_options(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -102,6 +122,8 @@ def test_cli_quick_table_with_sim_options() -> None:
             "host",
             "-o",
             "sim.latency_us=5",
+            "--pyperf",
+            str(tmp_path / "bench.json"),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -111,3 +133,5 @@ def test_cli_quick_table_with_sim_options() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "copy bandwidth" in proc.stdout
     assert "host->host" in proc.stdout
+    assert f"pyperf suite written to {tmp_path / 'bench.json'}" in proc.stdout
+    assert json.loads((tmp_path / "bench.json").read_text())["benchmarks"]

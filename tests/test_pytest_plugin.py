@@ -16,6 +16,10 @@ SIM_INSTALLED = any(
     e.name == "sim" for e in importlib.metadata.entry_points(group="aioep.backends")
 )
 
+# These user projects use anyio's plugin alone: pytest-asyncio (installed with aioep's test
+# extra) is switched off for them, as it is absent from such a project.
+ANYIO_ONLY = ("-p", "no:asyncio")
+
 CONFTEST_BOTH_LOOPS = """
 import pytest
 
@@ -74,7 +78,7 @@ def test_off_by_default(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    result = pytester.runpytest("--strict-markers")
+    result = pytester.runpytest(*ANYIO_ONLY, "--strict-markers")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*fixture 'aioep_env' not found*"])
 
@@ -98,7 +102,7 @@ def test_enabled(pytester: pytest.Pytester, how: str, args: list[str]) -> None:
     pytester.makepyfile(ENV_TEST)
     # In a subprocess, as a user's run: in-process, this suite has already imported
     # aioep.pytest_plugin, and pytest < 9.2 warns that it cannot rewrite it again.
-    result = pytester.runpytest_subprocess("--strict-markers", "-W", "error", *args)
+    result = pytester.runpytest_subprocess(*ANYIO_ONLY, "--strict-markers", "-W", "error", *args)
     result.assert_outcomes(passed=2)
 
 
@@ -121,7 +125,7 @@ def test_environment_is_closed_after_each_test(pytester: pytest.Pytester) -> Non
             assert [env.state for env in seen] == ["closed", "closed"]
         """
     )
-    result = pytester.runpytest("--aioep")
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep")
     result.assert_outcomes(passed=3)
 
 
@@ -142,7 +146,7 @@ def test_ini_backends_and_marker_options(pytester: pytest.Pytester) -> None:
             assert aioep_env.libraries == ("host",)
         """
     )
-    result = pytester.runpytest()
+    result = pytester.runpytest(*ANYIO_ONLY)
     result.assert_outcomes(passed=4)
 
 
@@ -158,7 +162,7 @@ def test_unknown_backend_fails_with_a_clear_message(pytester: pytest.Pytester) -
             pass
         """
     )
-    result = pytester.runpytest("--aioep")
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines(["*aioep backend 'no_such_backend' is not installed*"])
 
@@ -186,7 +190,7 @@ def test_sim_device(pytester: pytest.Pytester) -> None:
             assert np.array_equal(back, host)
         """
     )
-    result = pytester.runpytest("--aioep", "-rs")
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "-rs")
     if SIM_INSTALLED:
         result.assert_outcomes(passed=2)
     else:
@@ -206,7 +210,7 @@ def test_sim_device_skips_without_sim(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    result = pytester.runpytest("--aioep", "-rs")
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "-rs")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*no SimExecutionProvider device*"])
 
@@ -224,10 +228,221 @@ def test_gpu_marker(pytester: pytest.Pytester) -> None:
             pass
         """
     )
-    result = pytester.runpytest("--aioep", "--strict-markers", "-rs")
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "--strict-markers", "-rs")
     ok, _ = gpu_available()
     if ok:
         result.assert_outcomes(passed=2)
     else:
         result.assert_outcomes(passed=1, skipped=1)
         result.stdout.fnmatch_lines(["*needs an NVIDIA GPU*"])
+
+
+# -- one user project, run by each async test plugin ------------------------------------------
+
+PROJECT_CONFTEST = """
+import pytest
+
+@pytest.fixture(scope="session")
+def seen():
+    \"\"\"Every environment a test got, for test_sync.py to check.\"\"\"
+    return []
+"""
+
+PROJECT_ASYNC_TESTS = """
+import numpy as np
+import pytest
+
+import aioep
+
+pytestmark = {mark}
+kept = []
+
+@pytest.mark.aioep_backends()
+async def test_copy(aioep_env, seen):
+    seen.append(aioep_env)
+    assert aioep_env.state == "open"
+    assert aioep.current_environment() is aioep_env
+    src = np.arange(16, dtype=np.float32)
+    dst = aioep_env.empty(src.shape, src.dtype)
+    await aioep.copy_tensors([src], [dst])
+    assert np.array_equal(dst.numpy(), src)
+
+@pytest.mark.aioep_backends("sim")
+async def test_round_trip(aioep_env, sim_device, seen):
+    seen.append(aioep_env)
+    host = np.arange(1024, dtype=np.float32)
+    x = aioep_env.empty(host.shape, host.dtype, sim_device.memory_info())
+    back = np.empty_like(host)
+    async with aioep_env.create_sync_stream(sim_device) as stream:
+        await aioep.copy_tensors([host], [x], stream=stream)
+        await aioep.copy_tensors([x], [back], stream=stream)
+    assert np.array_equal(back, host)
+
+@pytest.mark.aioep_backends()
+async def test_leaks_a_tensor(aioep_env, seen):
+    seen.append(aioep_env)
+    kept.append(aioep_env.empty((4,), np.float32))
+
+@pytest.mark.aioep_gpu
+async def test_on_gpu(aioep_env, seen):
+    seen.append(aioep_env)
+"""
+
+PROJECT_SYNC_TESTS = """
+import pytest
+
+import aioep
+
+@pytest.mark.aioep_backends()
+def test_sync(aioep_env, seen):
+    seen.append(aioep_env)
+    assert aioep.current_environment() is aioep_env
+    assert aioep_env.state == "open"
+
+def test_one_environment_per_test_all_closed(seen):
+    assert len(seen) == {expected}
+    assert len({{id(env) for env in seen}}) == len(seen)
+    assert {{env.state for env in seen}} == {{"closed"}}
+"""
+
+ASYNCIO_INI = (
+    "[pytest]\naioep = true\nasyncio_mode = {mode}\nasyncio_default_fixture_loop_scope = function\n"
+)
+
+
+def _run_project(
+    pytester: pytest.Pytester, *, mark: str, loops: int, ini: str, args: tuple[str, ...]
+) -> pytest.RunResult:
+    """Run the project; check what every mode shares; ``loops``: runs of each async test."""
+    gpu, _ = gpu_available()
+    envs_per_loop = 3 + int(gpu)  # copy, round trip, leak (+ the GPU test on a GPU machine)
+    pytester.makeini(ini)
+    pytester.makeconftest(PROJECT_CONFTEST)
+    pytester.makepyfile(
+        test_async=PROJECT_ASYNC_TESTS.format(mark=mark),
+        test_sync=PROJECT_SYNC_TESTS.format(expected=loops * envs_per_loop + 1),
+    )
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "-W", "error", "--setup-show", "-rs", *args
+    )
+    if SIM_INSTALLED:
+        result.assert_outcomes(
+            passed=loops * (3 + int(gpu)) + 2, errors=loops, skipped=loops * (1 - int(gpu))
+        )
+    else:  # test_round_trip errors: the sim backend is not installed
+        result.assert_outcomes(
+            passed=loops * (2 + int(gpu)),
+            failed=1,
+            errors=2 * loops,
+            skipped=loops * (1 - int(gpu)),
+        )
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_leaks_a_tensor*",
+            "*test_leaks_a_tensor* left aioep resources alive past its environment (aioep_env):",
+            "*1 live buffer(s) when the environment closed*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*SETUP    F _aioep_env_sync*"])
+    if not gpu:
+        result.stdout.fnmatch_lines(["*SKIPPED*needs an NVIDIA GPU*"])
+    return result
+
+
+def test_project_on_anyio(pytester: pytest.Pytester) -> None:
+    result = _run_project(
+        pytester,
+        mark="pytest.mark.anyio",
+        loops=2,
+        ini="[pytest]\naioep = true\n",
+        args=(*ANYIO_ONLY, "-p", "anyio"),
+    )
+    result.stdout.fnmatch_lines(["*SETUP    F _aioep_env_anyio*"])
+    assert "_aioep_env_asyncio" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("loop_scope", ["function", "module", "session"])
+def test_project_on_pytest_asyncio_strict(pytester: pytest.Pytester, loop_scope: str) -> None:
+    result = _run_project(
+        pytester,
+        mark=f"pytest.mark.asyncio(loop_scope={loop_scope!r})",
+        loops=1,
+        ini=ASYNCIO_INI.format(mode="strict"),
+        args=(),
+    )
+    result.stdout.fnmatch_lines([f"*SETUP    F _aioep_env_asyncio_{loop_scope}*"])
+    assert "_aioep_env_anyio" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("loop_scope", ["function", "module", "session"])
+def test_project_on_pytest_asyncio_auto(pytester: pytest.Pytester, loop_scope: str) -> None:
+    # No markers at all; the loop scope comes from pytest-asyncio's ini key.
+    result = _run_project(
+        pytester,
+        mark="[]",
+        loops=1,
+        ini=ASYNCIO_INI.format(mode="auto") + f"asyncio_default_test_loop_scope = {loop_scope}\n",
+        args=(),
+    )
+    result.stdout.fnmatch_lines([f"*SETUP    F _aioep_env_asyncio_{loop_scope}*"])
+
+
+def test_anyio_and_pytest_asyncio_in_one_session(pytester: pytest.Pytester) -> None:
+    # pytest-asyncio's strict mode leaves anyio's tests (asyncio and trio) to anyio.
+    pytester.makeini(ASYNCIO_INI.format(mode="strict"))
+    pytester.makeconftest(CONFTEST_BOTH_LOOPS)
+    pytester.makepyfile(
+        test_anyio=ENV_TEST,
+        test_asyncio=ENV_TEST.replace("pytest.mark.anyio", "pytest.mark.asyncio"),
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "error", "--setup-show")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        ["*test_anyio.py::test_env[[]asyncio[]]*", "*test_anyio.py::test_env[[]trio[]]*"]
+    )
+    result.stdout.fnmatch_lines(["*SETUP    F _aioep_env_asyncio_function*"])
+
+
+ANYIO_ON_ASYNCIO = """
+import pytest
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+"""
+
+LEAK_ON_FAILURE = """
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+@pytest.mark.aioep_backends()
+async def test_fails_holding_a_tensor(aioep_env):
+    x = aioep_env.empty((4,), np.float32)
+    assert x.shape == (5,)
+"""
+
+
+def test_a_failed_test_is_not_also_reported_as_a_leak(pytester: pytest.Pytester) -> None:
+    # Its traceback keeps its locals alive: that is not a leak.
+    pytester.makeconftest(ANYIO_ON_ASYNCIO)
+    pytester.makepyfile(LEAK_ON_FAILURE)
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    assert "left aioep resources alive" not in result.stdout.str()
+
+
+def test_leaks_can_be_warnings(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\naioep = true\naioep_leaks = warn\n")
+    pytester.makeconftest(PROJECT_CONFTEST + ANYIO_ON_ASYNCIO)
+    pytester.makepyfile(PROJECT_ASYNC_TESTS.format(mark="pytest.mark.anyio"))
+    # (-W: in-process, this suite's filterwarnings=error would apply to the inner run too)
+    result = pytester.runpytest(
+        *ANYIO_ONLY, "-p", "no:cacheprovider", "-W", "always::ResourceWarning", "-k", "a_tensor"
+    )
+    result.assert_outcomes(passed=1, warnings=1, deselected=3)
+    result.stdout.fnmatch_lines(["*ResourceWarning*1 live buffer(s)*"])
+    pytester.makeini("[pytest]\naioep = true\naioep_leaks = maybe\n")
+    result = pytester.runpytest(*ANYIO_ONLY, "-p", "no:cacheprovider")
+    result.stderr.fnmatch_lines(["*aioep_leaks: expected error or warn, got 'maybe'*"])
