@@ -263,7 +263,9 @@ def create_app(
         try:
             x = np.asarray(body.inputs, dtype=np.float64)
         except ValueError as exc:
-            raise HTTPException(422, f"inputs must be a rectangular array of numbers: {exc}") from exc
+            raise HTTPException(
+                422, f"inputs must be a rectangular array of numbers: {exc}"
+            ) from exc
         outputs = await engine.infer(engine.spec.check(x))
         return {
             "outputs": {name: y.tolist() for name, y in outputs.items()},
