@@ -40,6 +40,7 @@ from ._graph import GraphView as GraphView
 from ._graph import Initializer as Initializer
 from ._graph import Node as Node
 from ._graph import ValueInfo as ValueInfo
+from ._io_binding import IOBinding as IOBinding
 from ._notification import Notification as Notification
 from ._session import Session as Session
 from ._stream import SyncStream as SyncStream
@@ -77,6 +78,7 @@ __all__ = [
     "GraphView",
     "HardwareDevice",
     "InUseError",
+    "IOBinding",
     "IndexedSubGraph",
     "Initializer",
     "InvalidArgument",

@@ -149,7 +149,9 @@ class Ep(abc.ABC):
         stream: SyncStream | None = None,
         memory_info: MemoryInfo | None = None,
     ) -> Tensor:
-        """An output tensor from the environment's shared allocator for :attr:`memory_info`."""
+        """A tensor in :attr:`memory_info`: the EP's outputs, and the session's copies of the
+        EP's inputs. By default from the environment's shared allocator; an EP whose runtime
+        needs its I/O allocated a particular way overrides this."""
         return self.environment.empty(shape, dtype, memory_info or self.memory_info, stream=stream)
 
     @abc.abstractmethod

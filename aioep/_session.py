@@ -28,12 +28,14 @@ from ._ep import Ep
 from ._errors import ClosedError, EpError, InvalidArgument
 from ._graph import GraphView
 from ._host import HOST_EP_NAME
+from ._io_binding import IOBinding, place_bound_outputs
 from ._partition import CPU_EP_NAME
 from ._session_plan import SessionPlan
 from ._session_run import Runner
 from ._session_workers import Workers
 from ._stream import SyncStream
 from ._tensor import Tensor
+from ._types import MemoryDevice
 
 if TYPE_CHECKING:
     from ._environment import Environment
@@ -263,6 +265,48 @@ class Session(AsyncResource):
             self._active -= 1
             if self._active == 0 and self._idle is not None:
                 self._idle.set()
+
+    def io_binding(self) -> IOBinding:
+        """A new :class:`~aioep.IOBinding` for this session's inputs and outputs."""
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"{self!r} is closed")
+        readers: dict[str, list[MemoryDevice]] = {}
+        for step in self._plan.steps:
+            for name in step.inputs:
+                readers.setdefault(name, []).append(step.memory.device)
+        outputs = {name: self.graph.value_info(name) for name in self.output_names}
+        binding = IOBinding(
+            self._env,
+            self._plan.input_specs,
+            outputs,
+            {name: tuple(devices) for name, devices in readers.items()},
+        )
+        binding._session = self
+        return binding
+
+    async def run_with_binding(
+        self, binding: IOBinding, stream: SyncStream | None = None
+    ) -> dict[str, Any]:
+        """Run the model on ``binding``'s inputs and put each bound output where it is bound.
+
+        An output bound to a tensor is written into it; one bound to a memory info is put
+        in that memory; unbound outputs stay where the producing EP put them. Returns the
+        outputs (also kept as ``binding.get_outputs()``). ``stream`` works as in
+        :meth:`run`: with one, the copies into bound outputs are enqueued on it too.
+        """
+        if not isinstance(binding, IOBinding) or getattr(binding, "_session", None) is not self:
+            raise InvalidArgument(
+                f"run_with_binding: {binding!r} is not an IOBinding of this session "
+                "(make one with session.io_binding())"
+            )
+        outputs = await self.run(binding._run_inputs(), stream)
+        results, srcs, dsts = place_bound_outputs(self._env, outputs, binding._bound_outputs())
+        if srcs:
+            future = self._env.copy_tensors(srcs, dsts, stream)
+            if stream is None:
+                await future
+        binding._set_results(results)
+        return results
 
     # -- lifecycle -------------------------------------------------------------------------
     async def aclose(self) -> None:

@@ -249,8 +249,11 @@ class _Run:
                 copy_stream.wait(value.ready)
             elif copy_stream is None and value.ready is not None:
                 await value.ready
+            ep = step.partition.ep
             if device.device_type is DeviceType.CPU:
                 dst = Tensor.from_numpy(np.empty(t.shape, t.dtype))
+            elif ep is not None:
+                dst = ep.allocate(t.shape, t.dtype, stream=target, memory_info=step.memory)
             else:
                 dst = self.runner.env.empty(t.shape, t.dtype, step.memory, stream=target)
             copies.setdefault(copy_stream, []).append((name, t, dst))

@@ -832,6 +832,12 @@ async def test_segmented_device_input_is_copied_once(
             # the fallback read (one call per 4 KiB segment: chunk_bytes caps calls too),
             # then the output's download; no upload (ORT reads the bound host copy)
             assert copies.calls - before == x.nbytes // 4096 + 1
+            # A host input: the session's copy of it is one OrtValue, bound by handle.
+            before = copies.calls
+            out = await sess.run({"x": x}, output_location="host")
+            np.testing.assert_array_equal(out["y"].numpy(), 2 * x)
+            assert ep.device_io.host_fallbacks == 1
+            assert copies.calls - before == 2  # one upload, one download
             del xd, out
 
 

@@ -11,8 +11,9 @@ buffer of the library and is freed through ORT when the tensor goes).
 A device tensor that is not one OrtValue from its first byte (a buffer with opaque
 handles split into segments, or a view into one) cannot be bound by handle: ORT's
 binding has no offsets into a WebGPU buffer. Such an input is copied once to the
-host and bound from there (``DeviceIO.host_fallbacks`` counts these); allocating
-it with ``chunk_bytes=0`` (one OrtValue per buffer) avoids that.
+host and bound from there (``DeviceIO.host_fallbacks`` counts these). The copies
+a session makes of an EP's inputs never need that: they are allocated as one OrtValue
+each (:meth:`DeviceIO.allocate`); ``chunk_bytes=0`` makes every buffer one.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DeviceIO:
         ort_memory_info: ORT's ``OrtMemoryInfo`` for the same memory.
         address_map: the factory's live blocks (to find the OrtValue behind a tensor).
         allocator: returns the allocator that adopts outputs (the factory's, for this memory).
+        io_allocator: returns an allocator of this memory whose buffers are one OrtValue each.
         transfer: the factory's data transfer (for the host fallback of unbindable inputs).
     """
 
@@ -55,11 +57,13 @@ class DeviceIO:
         ort_memory_info: Any,
         address_map: AddressMap,
         allocator: Callable[[], OrtAllocator],
+        io_allocator: Callable[[], OrtAllocator],
         transfer: Callable[[], OrtDataTransfer | None],
     ) -> None:
         self.memory_info = memory_info
         self._map = address_map
         self._allocator = allocator
+        self._io_allocator = io_allocator
         self._transfer = transfer
         c = ort().capi._pybind_state
         self._device = c.OrtDevice(
@@ -113,6 +117,11 @@ class DeviceIO:
         if rem or tensor.nbytes > size:
             return None
         return int(value.data_ptr())  # the buffer handle; the tensor is its leading bytes
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Tensor:
+        """A tensor for session I/O: one OrtValue from its first byte, so it binds by handle."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return Tensor(self._io_allocator().alloc(nbytes), shape, dtype)
 
     def bind_output(self, binding: Any, name: str) -> None:
         """Bind output ``name`` to the EP's device: ORT allocates it there."""

@@ -205,6 +205,20 @@ class OrtPluginEp(Ep):
         takes host inputs and moves them to the plugin's device itself)."""
         return HOST_MEMORY_INFO if self.device_io is None else self.device_io.memory_info
 
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: Any,
+        *,
+        stream: SyncStream | None = None,
+        memory_info: MemoryInfo | None = None,
+    ) -> Tensor:
+        """Session I/O in the device's memory is one OrtValue per tensor (bindable by handle)."""
+        io = self.device_io
+        if io is None or (memory_info is not None and memory_info != io.memory_info):
+            return super().allocate(shape, dtype, stream=stream, memory_info=memory_info)
+        return io.allocate(tuple(int(d) for d in shape), np.dtype(dtype))
+
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
         # Nodes that read or write host-only values (strings, sequences, optionals, values
         # of unknown type) stay with the session's CPU fallback: group inputs and outputs

@@ -221,6 +221,7 @@ class OrtFactory(EpFactory):
         self._streams: set[OrtStream] = set()
         # The newest allocator per memory (adopts session outputs), and the data transfer.
         self._allocators: dict[MemoryDevice, OrtAllocator] = {}
+        self._io_allocators: dict[MemoryDevice, OrtAllocator] = {}
         self._transfer: OrtDataTransfer | None = None
         if not self.options.libraries:
             return
@@ -303,6 +304,13 @@ class OrtFactory(EpFactory):
                 f"ort allocator for {memory_info.name!r}: unknown option(s) {sorted(options)} "
                 "(ORT's arena settings go in 'arena.*' keys with AllocatorType.ARENA)"
             )
+        allocator = self._new_allocator(memory_info, whole=False)
+        with self._lock:
+            self._allocators[memory_info.device] = allocator
+        return allocator
+
+    def _new_allocator(self, memory_info: MemoryInfo, *, whole: bool) -> OrtAllocator:
+        """An allocator of ``memory_info``; ``whole``: every buffer one OrtValue."""
         with self._lock:
             if self._closed:
                 raise ClosedError(f"{self!r} is closed")
@@ -312,9 +320,9 @@ class OrtFactory(EpFactory):
         omi, index = found
         reg, i = self._entries[index]
         segment_bytes = self.pacer.segment_bytes
-        if memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
+        if whole or memory_info.memory_type is MemoryType.HOST_ACCESSIBLE:
             segment_bytes = _no_segments  # real host addresses: one OrtValue per buffer
-        allocator = OrtAllocator(
+        return OrtAllocator(
             memory_info,
             omi,
             reg,
@@ -323,9 +331,17 @@ class OrtFactory(EpFactory):
             segment_bytes,
             device_check=self.options.device_check,
         )
+
+    def _io_allocator(self, memory_info: MemoryInfo) -> OrtAllocator:
+        """The factory's allocator of ``memory_info`` whose buffers are one OrtValue each
+        (session I/O, bound to ORT sessions by handle)."""
         with self._lock:
-            self._allocators[memory_info.device] = allocator
-        return allocator
+            allocator = self._io_allocators.get(memory_info.device)
+            if allocator is not None:
+                return allocator
+        made = self._new_allocator(memory_info, whole=True)
+        with self._lock:
+            return self._io_allocators.setdefault(memory_info.device, made)
 
     def _output_allocator(self, memory_info: MemoryInfo) -> OrtAllocator:
         """The allocator that adopts session outputs in ``memory_info``: the newest one
@@ -429,6 +445,7 @@ class OrtFactory(EpFactory):
                 omi,
                 self._map,
                 lambda: self._output_allocator(info),
+                lambda: self._io_allocator(info),
                 lambda: self._transfer,
             )
         return OrtPluginEp(
@@ -451,6 +468,7 @@ class OrtFactory(EpFactory):
             self._ort_memory.clear()
             self._streams.clear()
             self._allocators.clear()
+            self._io_allocators.clear()
         for reg in registrations:
             release(reg)
 

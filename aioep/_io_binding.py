@@ -1,0 +1,223 @@
+"""Pre-bound session I/O (ORT's IOBinding, the awaitable way): tensors bound to a session's
+inputs and outputs once, checked when bound, and used by every
+:meth:`Session.run_with_binding <aioep.Session.run_with_binding>`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InvalidArgument
+from ._session_values import InputSpec, same_memory
+from ._tensor import Tensor
+from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
+
+if TYPE_CHECKING:
+    from ._environment import Environment
+    from ._graph import ValueInfo
+
+__all__ = ["IOBinding", "place_bound_outputs"]
+
+
+class IOBinding:
+    """Inputs and outputs bound to one session, reused across runs.
+
+    Made by :meth:`Session.io_binding <aioep.Session.io_binding>`. Each bind is checked
+    at once: an unknown name, a wrong dtype or shape, a freed tensor, a tensor of another
+    environment, or memory the session's EPs cannot read (no data transfer reaches them)
+    raise :class:`~aioep.InvalidArgument`, and the binding is left as it was. A bound
+    tensor stays alive while it is bound.
+    """
+
+    def __init__(
+        self,
+        env: Environment,
+        inputs: tuple[InputSpec, ...],
+        outputs: Mapping[str, ValueInfo | None],
+        readers: Mapping[str, tuple[MemoryDevice, ...]],
+    ) -> None:
+        self._env = env
+        self._input_specs = {spec[0]: spec for spec in inputs}
+        self._output_infos = dict(outputs)
+        self._readers = readers
+        self._inputs: dict[str, Tensor] = {}
+        self._outputs: dict[str, Tensor | MemoryInfo] = {}
+        self._results: dict[str, Any] = {}
+        self._session: object = None  # the session that made it (set by Session.io_binding)
+
+    # -- inputs ----------------------------------------------------------------------------
+    def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:
+        """Bind ``value`` (a tensor on any device the session can read, or a numpy array)
+        to model input ``name``; it replaces what was bound there."""
+        spec = self._input_specs.get(name)
+        if spec is None:
+            raise InvalidArgument(
+                f"bind_input: unknown input {name!r}; the model's inputs are "
+                f"{list(self._input_specs)}"
+            )
+        tensor = self._tensor(value, f"bind_input({name!r})")
+        _, want, shape, _ = spec
+        _check_type(f"bind_input({name!r})", tensor, want, shape)
+        for reader in self._readers.get(name, ()):
+            if not same_memory(tensor.device, reader) and not self._can_copy(tensor.device, reader):
+                raise InvalidArgument(
+                    f"bind_input({name!r}): {tensor!r} is in {tensor.memory_info.name!r}, and no "
+                    f"data transfer of this environment copies it to {reader}, where the "
+                    "session reads it"
+                )
+        self._inputs[name] = tensor
+
+    @property
+    def inputs(self) -> Mapping[str, Tensor]:
+        """Input name -> the tensor bound to it."""
+        return dict(self._inputs)
+
+    def clear_binding_inputs(self) -> None:
+        """Unbind every input."""
+        self._inputs.clear()
+
+    # -- outputs ---------------------------------------------------------------------------
+    def bind_output(self, name: str, target: Tensor | MemoryInfo) -> None:
+        """Bind model output ``name`` to ``target``: a tensor that each run writes the output
+        into (dtype and, where the model fixes it, shape must match), or the memory info
+        each run puts the output in (on the device of that memory's shared allocator)."""
+        if name not in self._output_infos:
+            raise InvalidArgument(
+                f"bind_output: unknown output {name!r}; the model's outputs are "
+                f"{list(self._output_infos)}"
+            )
+        where = f"bind_output({name!r})"
+        if isinstance(target, MemoryInfo):
+            host = target.device == HOST_MEMORY_DEVICE
+            if not host and self._env.get_shared_allocator(target) is None:
+                raise InvalidArgument(
+                    f"{where}: this environment has no allocator for {target.name!r} "
+                    f"({target.device})"
+                )
+            self._outputs[name] = target
+            return
+        tensor = self._tensor(target, where)
+        if tensor.buffer.readonly:
+            raise InvalidArgument(f"{where}: {tensor!r} is read-only")
+        info = self._output_infos[name]
+        if info is not None:
+            _check_type(where, tensor, info.dtype, info.shape)
+        self._outputs[name] = tensor
+
+    @property
+    def outputs(self) -> Mapping[str, Tensor | MemoryInfo]:
+        """Output name -> the tensor or memory info bound to it."""
+        return dict(self._outputs)
+
+    def clear_binding_outputs(self) -> None:
+        """Unbind every output."""
+        self._outputs.clear()
+
+    def get_outputs(self) -> dict[str, Any]:
+        """The last run's outputs, in the model's output order (bound ones where bound)."""
+        return dict(self._results)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _tensor(self, value: Any, where: str) -> Tensor:
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject or not value.flags.c_contiguous:
+                raise InvalidArgument(
+                    f"{where}: a numpy array must be C-contiguous and hold numbers, got "
+                    f"dtype {value.dtype}, strides {value.strides}"
+                )
+            return Tensor.from_numpy(value)
+        if not isinstance(value, Tensor):
+            raise InvalidArgument(
+                f"{where}: expected an aioep.Tensor or a numpy array, got {type(value).__name__}"
+            )
+        if value.buffer.freed:
+            raise InvalidArgument(f"{where}: {value!r} was freed")
+        if not self._owns(value):
+            raise InvalidArgument(
+                f"{where}: {value!r} was allocated by another environment (or by an allocator "
+                "this environment no longer has)"
+            )
+        return value
+
+    def _owns(self, tensor: Tensor) -> bool:
+        allocator = tensor.buffer.allocator
+        if allocator is None:
+            return True  # wrapped host memory (numpy): any environment reads it
+        known: list[Any] = [*self._env.shared_allocators.values()]
+        for lib in self._env._libraries.values():
+            known.extend(lib.allocators)
+            known.extend(lib.retired)
+        # An arena's buffers come from the arena, its regions from its base.
+        return any(allocator is k or getattr(k, "base", None) is allocator for k in known)
+
+    def _can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
+        return any(t.can_copy(src, dst) for _, t in self._env._transfers)
+
+    # -- runs ------------------------------------------------------------------------------
+    def _run_inputs(self) -> dict[str, Tensor]:
+        missing = [n for n in self._input_specs if n not in self._inputs]
+        if missing:
+            raise InvalidArgument(f"run_with_binding: input(s) {missing} are not bound")
+        return dict(self._inputs)
+
+    def _bound_outputs(self) -> dict[str, Tensor | MemoryInfo]:
+        return dict(self._outputs)
+
+    def _set_results(self, results: Mapping[str, Any]) -> None:
+        self._results = dict(results)
+
+
+def _check_type(
+    where: str, tensor: Tensor, want: np.dtype[Any] | None, shape: tuple[Any, ...] | None
+) -> None:
+    if want is not None and tensor.dtype != want:
+        raise InvalidArgument(
+            f"{where}: {tensor!r} has dtype {tensor.dtype}, the model's is {want}"
+        )
+    if shape is not None and (
+        len(shape) != len(tensor.shape)
+        or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
+    ):
+        model = ["?" if not isinstance(d, int) else d for d in shape]
+        raise InvalidArgument(
+            f"{where}: {tensor!r} has shape {tensor.shape}, the model's is {model}"
+        )
+
+
+def place_bound_outputs(
+    env: Environment, outputs: Mapping[str, Any], bound: Mapping[str, Tensor | MemoryInfo]
+) -> tuple[dict[str, Any], list[Tensor], list[Tensor]]:
+    """A run's outputs as :meth:`Session.run_with_binding` returns them, and the copies
+    (sources, destinations) that put the bound ones in place.
+
+    Raises:
+        InvalidArgument: an output does not fit the tensor bound to it (a dynamic shape
+            came out different).
+    """
+    results: dict[str, Any] = {}
+    srcs: list[Tensor] = []
+    dsts: list[Tensor] = []
+    for name, value in outputs.items():
+        target = bound.get(name)
+        if target is None or not isinstance(value, Tensor):
+            results[name] = value
+            continue
+        if isinstance(target, MemoryInfo):
+            if value.device == target.device:
+                results[name] = value
+                continue
+            dst = env.empty(value.shape, value.dtype, target)
+        else:
+            dst = target
+            if dst.shape != value.shape or dst.dtype != value.dtype:
+                raise InvalidArgument(
+                    f"run_with_binding: output {name!r} came out with shape {value.shape} and "
+                    f"dtype {value.dtype}; the tensor bound to it is {dst.shape} {dst.dtype}"
+                )
+        srcs.append(value)
+        dsts.append(dst)
+        results[name] = dst
+    return results, srcs, dsts
