@@ -8,6 +8,7 @@ without an adapter) run in subprocesses, to prove the interpreter survives with 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -858,3 +859,81 @@ async def test_device_outputs_outlive_their_environment(webgpu_path: str) -> Non
     del y
     gc.collect()
     assert not any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
+
+
+# -- faults on a plugin-EP session -------------------------------------------------------------
+def _reshape_model() -> Any:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    shape = helper.make_tensor_value_info("shape", TensorProto.INT64, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["r"]),
+            helper.make_node("Relu", ["r"], ["y"]),
+        ],
+        "g",
+        [x, shape],
+        [y],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+async def test_a_run_that_fails_inside_ort_leaves_the_session_usable(webgpu_path: str) -> None:
+    x = np.array([-1, 2, -3, 4], np.float32)
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        async with await env.create_session(_reshape_model(), [dev]) as sess:
+            with pytest.raises(aioep.EpError, match="(?i)reshape"):
+                await sess.run({"x": x, "shape": np.array([3, 3], np.int64)})
+            out = await sess.run(
+                {"x": x, "shape": np.array([2, 2], np.int64)}, output_location="host"
+            )
+            np.testing.assert_array_equal(out["y"].numpy(), [[0, 2], [0, 4]])
+
+
+def _matmul_chain(n: int, depth: int) -> Any:
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(n, dtype=np.float32), "w")
+    vi = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [n, n]) for v in "xy"]
+    names = ["x", *[f"m{i}" for i in range(depth - 1)], "y"]
+    nodes = [helper.make_node("MatMul", [a, "w"], [b]) for a, b in zip(names, names[1:])]
+    graph = helper.make_graph(nodes, "g", vi[:1], vi[1:], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+async def test_cancelled_and_closing_runs_keep_their_tensors(webgpu_path: str) -> None:
+    """Cancelling runs mid-flight abandons only the wait: the device input stays alive until
+    ORT is done with it, and closing the session waits for runs in flight (no crash)."""
+    n = 256
+    x = np.random.default_rng(1).random((n, n), dtype=np.float32)
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        sess = await env.create_session(_matmul_chain(n, 8), [dev])
+        await sess.run({"x": x})  # compile the shaders once
+        xd = env.empty((n, n), "float32", dev.memory_info())
+        await aioep.copy_tensors([x], [xd])
+        with anyio.move_on_after(0.005):
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(sess.run, {"x": xd})
+        del xd
+        gc.collect()
+        out = await sess.run({"x": x}, output_location="host")
+        np.testing.assert_allclose(out["y"].numpy(), x, rtol=1e-5)
+
+        async def late_run() -> None:
+            with contextlib.suppress(aioep.ClosedError):
+                await sess.run({"x": x})
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(late_run)
+            await anyio.sleep(0)
+            await sess.aclose()  # waits for the runs already in flight
+        assert sess.closed
+        with pytest.raises(aioep.ClosedError):
+            await sess.run({"x": x})
+        del out

@@ -119,21 +119,40 @@ class _OrtGroup(CompiledNode):
             raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
 
     def _run_bound(self, inputs: dict[str, Tensor], io: DeviceIO) -> list[Tensor]:
+        values, error = self._run_with_iobinding(inputs, io)
+        if error is not None:
+            raise error
+        return [io.adopt(v) for v in values]
+
+    def _run_with_iobinding(
+        self, inputs: dict[str, Tensor], io: DeviceIO
+    ) -> tuple[list[Any], BaseException | None]:
+        # ORT objects never outlive this call in a frame a traceback keeps: the session, the
+        # binding and the host copies bound to it are dropped (under the device lock) before
+        # any error is raised, so a kept exception cannot release them after the library is
+        # unregistered.
         session = self._session
         if session is None:
-            raise ClosedError(f"{self._ep_name}: {self._meta.name!r} was released")
-        binding = session.io_binding()
-        keep = [io.bind_input(binding, name, t) for name, t in inputs.items()]
-        for name in self._meta.outputs:
-            io.bind_output(binding, name)
+            return [], ClosedError(f"{self._ep_name}: {self._meta.name!r} was released")
+        values: list[Any] = []
+        keep: list[Any] = []  # host copies bound to the run
+        error: BaseException | None = None
         with self._device_lock:
+            binding = session.io_binding()
             try:
+                keep.extend(io.bind_input(binding, name, t) for name, t in inputs.items())
+                for name in self._meta.outputs:
+                    io.bind_output(binding, name)
                 session.run_with_iobinding(binding)
+                values = binding.get_outputs()
             except Exception as exc:
-                raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
-            values = binding.get_outputs()
-            del binding, keep  # ORT's references go under the lock, like every release
-        return [io.adopt(v) for v in values]
+                error = translate(exc, f"{self._ep_name} running {self._meta.name!r}")
+                error.__cause__ = None
+                error.__suppress_context__ = True
+            finally:
+                session = binding = None
+                keep.clear()
+        return values, error
 
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
         if self._io is not None:
