@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument
-from ._session_values import InputSpec, same_memory
+from ._session_values import InputSpec, check_type, same_memory
 from ._tensor import Tensor
 from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
 
@@ -60,7 +60,7 @@ class IOBinding:
             )
         tensor = self._tensor(value, f"bind_input({name!r})")
         _, want, shape, _ = spec
-        _check_type(f"bind_input({name!r})", tensor, want, shape)
+        check_type(f"bind_input({name!r}): {tensor!r}", tensor, want, shape)
         for reader in self._readers.get(name, ()):
             if not same_memory(tensor.device, reader) and not self._can_copy(tensor.device, reader):
                 raise InvalidArgument(
@@ -104,7 +104,7 @@ class IOBinding:
             raise InvalidArgument(f"{where}: {tensor!r} is read-only")
         info = self._output_infos[name]
         if info is not None:
-            _check_type(where, tensor, info.dtype, info.shape)
+            check_type(f"{where}: {tensor!r}", tensor, info.dtype, info.shape)
         self._outputs[name] = tensor
 
     @property
@@ -168,23 +168,6 @@ class IOBinding:
 
     def _set_results(self, results: Mapping[str, Any]) -> None:
         self._results = dict(results)
-
-
-def _check_type(
-    where: str, tensor: Tensor, want: np.dtype[Any] | None, shape: tuple[Any, ...] | None
-) -> None:
-    if want is not None and tensor.dtype != want:
-        raise InvalidArgument(
-            f"{where}: {tensor!r} has dtype {tensor.dtype}, the model's is {want}"
-        )
-    if shape is not None and (
-        len(shape) != len(tensor.shape)
-        or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
-    ):
-        model = ["?" if not isinstance(d, int) else d for d in shape]
-        raise InvalidArgument(
-            f"{where}: {tensor!r} has shape {tensor.shape}, the model's is {model}"
-        )
 
 
 def place_bound_outputs(

@@ -24,6 +24,7 @@ __all__ = [
     "InputSpec",
     "RunValue",
     "bind_inputs",
+    "check_type",
     "contiguous",
     "host_feeds",
     "input_specs",
@@ -133,19 +134,23 @@ def bind_inputs(
         else:
             tensor = _host_tensor(given, want)
             value = RunValue(tensor)
-        if want is not None and tensor.dtype != want:
-            raise InvalidArgument(
-                f"run: input {name!r} has dtype {tensor.dtype}, the model expects {want}"
-            )
-        if shape is not None and (
-            len(shape) != len(tensor.shape)
-            or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
-        ):
-            raise InvalidArgument(
-                f"run: input {name!r} has shape {tensor.shape}, the model expects {list(shape)}"
-            )
+        check_type(f"run: input {name!r}", tensor, want, shape)
         values[name] = value
     return values
+
+
+def check_type(
+    what: str, tensor: Tensor, want: np.dtype[Any] | None, shape: tuple[Any, ...] | None
+) -> None:
+    """Raise :class:`InvalidArgument` naming ``what`` unless ``tensor`` has the model's
+    dtype ``want`` and fits its ``shape`` (symbolic dims match any size; None: unknown)."""
+    if want is not None and tensor.dtype != want:
+        raise InvalidArgument(f"{what} has dtype {tensor.dtype}, the model expects {want}")
+    if shape is not None and (
+        len(shape) != len(tensor.shape)
+        or any(isinstance(d, int) and d != n for d, n in zip(shape, tensor.shape))
+    ):
+        raise InvalidArgument(f"{what} has shape {tensor.shape}, the model expects {list(shape)}")
 
 
 def _host_tensor(given: Any, want: np.dtype[Any] | None) -> Tensor:

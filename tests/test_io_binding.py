@@ -65,9 +65,11 @@ async def test_bad_binds_are_invalid_argument_and_change_nothing() -> None:
             binding.bind_input("x", good)
             with pytest.raises(InvalidArgument, match=r"unknown input 'nope'.*\['x'\]"):
                 binding.bind_input("nope", good)
-            with pytest.raises(InvalidArgument, match="dtype float64, the model's is float32"):
+            with pytest.raises(InvalidArgument, match="dtype float64, the model expects float32"):
                 binding.bind_input("x", np.zeros((3, 4)))
-            with pytest.raises(InvalidArgument, match=r"shape \(4, 3\), the model's is \[3, 4\]"):
+            with pytest.raises(
+                InvalidArgument, match=r"shape \(4, 3\), the model expects \[3, 4\]"
+            ):
                 binding.bind_input("x", np.zeros((4, 3), np.float32))
             with pytest.raises(InvalidArgument, match=r"aioep\.Tensor or a numpy array"):
                 binding.bind_input("x", [[0.0] * 4] * 3)

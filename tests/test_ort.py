@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from functools import cache
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -885,7 +887,7 @@ async def test_a_run_that_fails_inside_ort_leaves_the_session_usable(webgpu_path
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)
         async with await env.create_session(_reshape_model(), [dev]) as sess:
-            with pytest.raises(aioep.EpError, match="(?i)reshape"):
+            with pytest.raises(aioep.EpError, match=r"(?i)reshape"):
                 await sess.run({"x": x, "shape": np.array([3, 3], np.int64)})
             out = await sess.run(
                 {"x": x, "shape": np.array([2, 2], np.int64)}, output_location="host"
@@ -899,7 +901,7 @@ def _matmul_chain(n: int, depth: int) -> Any:
     w = numpy_helper.from_array(np.eye(n, dtype=np.float32), "w")
     vi = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [n, n]) for v in "xy"]
     names = ["x", *[f"m{i}" for i in range(depth - 1)], "y"]
-    nodes = [helper.make_node("MatMul", [a, "w"], [b]) for a, b in zip(names, names[1:])]
+    nodes = [helper.make_node("MatMul", [a, "w"], [b]) for a, b in itertools.pairwise(names)]
     graph = helper.make_graph(nodes, "g", vi[:1], vi[1:], [w])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -931,7 +933,7 @@ async def test_cancelled_and_closing_runs_keep_their_tensors(webgpu_path: str) -
         async with anyio.create_task_group() as tg:
             for _ in range(3):
                 tg.start_soon(late_run)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             await sess.aclose()  # waits for the runs already in flight
         assert sess.closed
         with pytest.raises(aioep.ClosedError):
