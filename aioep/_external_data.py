@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -23,6 +23,7 @@ from ._device import EpDevice
 from ._errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
 from ._external_data_info import InitializerSpec, read_initializers
 from ._external_data_loader import ExternalDataLoader
+from ._progress import ProgressBar, wants_bar
 from ._stream import SyncStream
 from ._types import MemoryInfo, MemoryType
 
@@ -36,34 +37,22 @@ ProgressCallback = Callable[[int, int], object]
 
 
 class _Progress:
-    """Counts loaded bytes; drives a tqdm bar and/or the user's callback."""
+    """Counts loaded bytes; drives a progress bar and/or the user's callback."""
 
     def __init__(self, total: int, desc: str, bar: bool, callback: ProgressCallback | None) -> None:
         self.done = 0
         self.total = total
         self._callback = callback
-        self._bar: Any = None
-        if bar and total:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # tqdm is optional: no bar without it
-                pass
-            else:
-                self._bar = tqdm(
-                    total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024
-                )
+        self._bar = ProgressBar(total, desc, bar)
 
     def __call__(self, nbytes: int) -> None:
         self.done += nbytes
-        if self._bar is not None:
-            self._bar.update(nbytes)
+        self._bar.update(nbytes)
         if self._callback is not None:
             self._callback(self.done, self.total)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self._bar.close()
 
 
 async def load_initializers(
@@ -72,7 +61,7 @@ async def load_initializers(
     ep_device: EpDevice,
     names: Sequence[str] | None = None,
     *,
-    progress: bool = True,
+    progress: bool | None = None,
     on_progress: ProgressCallback | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     stream: SyncStream | None = None,
@@ -95,7 +84,8 @@ async def load_initializers(
         model: path of the ``.onnx`` file.
         ep_device: where the tensors go.
         names: initializers to load (default: every one in the main graph).
-        progress: show a tqdm bar (silently none when tqdm is not installed).
+        progress: show a tqdm bar (silently none when tqdm is not installed); None (the
+            default): when standard error is a terminal.
         on_progress: called as ``on_progress(done_bytes, total_bytes)`` on the
             event loop as data lands.
         chunk_bytes: read size (and staging buffer size) of the built-in loader.
@@ -114,6 +104,7 @@ async def load_initializers(
         EpError: reading or copying failed (the cause is chained).
     """
     info = _checked_memory(env, model, ep_device, names, chunk_bytes, on_progress, stream, loader)
+    show = wants_bar(progress, "load_initializers")
     model_path = os.fspath(model)
     names_list = None if names is None else list(names)
     # Everything is validated here, before any allocation or read.
@@ -122,7 +113,7 @@ async def load_initializers(
     tracker = _Progress(
         sum(s.nbytes for s in specs),
         f"{PurePath(model_path).name} -> {info.name}",
-        progress,
+        show,
         on_progress,
     )
     return await _load_all(env, ep_device, info, specs, chosen, builtin, stream, tracker)

@@ -30,6 +30,7 @@ from ._graph import GraphView
 from ._host import HOST_EP_NAME
 from ._io_binding import IOBinding, place_bound_outputs
 from ._partition import CPU_EP_NAME
+from ._progress import wants_bar
 from ._session_plan import SessionPlan
 from ._session_run import Runner
 from ._session_workers import Workers
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Session", "create_session"]
 
-_OPTION_KEYS = ("ep_options", "intra_op_num_threads", "inter_op_num_threads")
+_OPTION_KEYS = ("ep_options", "intra_op_num_threads", "inter_op_num_threads", "progress")
 
 
 class _State(enum.Enum):
@@ -61,8 +62,10 @@ async def create_session(
     ``ep_devices`` are grouped by factory, in order of first appearance; each group
     gets one EP from ``factory.create_ep``. The host device needs no EP: what no EP
     claims runs on onnxruntime's CPU execution provider. ``options``:
-    ``ep_options`` (EP name -> option mapping for ``create_ep``) and
-    ``intra_op_num_threads`` / ``inter_op_num_threads`` for the CPU fallback.
+    ``ep_options`` (EP name -> option mapping for ``create_ep``),
+    ``intra_op_num_threads`` / ``inter_op_num_threads`` for the CPU fallback, and
+    ``progress`` (a tqdm bar over the upload, compile and load stages; None, the default:
+    when standard error is a terminal).
     """
     opts, ep_options = _checked_options(options)
     groups = _device_groups(env, ep_devices)
@@ -105,6 +108,7 @@ def _checked_options(
         raise InvalidArgument(
             f"create_session: unknown option(s) {unknown}; known: {list(_OPTION_KEYS)}"
         )
+    opts["progress"] = wants_bar(opts.get("progress"), "create_session")
     ep_options = opts.get("ep_options") or {}
     if not isinstance(ep_options, Mapping):
         raise InvalidArgument(

@@ -20,6 +20,7 @@ from ._cpu_fallback import load_parts, use_whole
 from ._ep import CompiledNode, Ep, FusedGroup
 from ._errors import InvalidArgument
 from ._partition import Partition, assignment_of, partition_graph
+from ._progress import ProgressBar
 from ._session_values import InputSpec, contiguous, input_specs, same_memory
 from ._session_workers import Workers, wait_future
 from ._tensor import HOST_MEMORY_INFO, Tensor
@@ -113,6 +114,7 @@ class SessionPlan:
         """
         graph = self.graph
         loading: Future[None] | None = None
+        bar: ProgressBar | None = None
         try:
             # Claims and graph checks can be long on a large model: off the loop.
             partitions = await anyio.to_thread.run_sync(partition_graph, graph, eps)
@@ -120,21 +122,29 @@ class SessionPlan:
             steps, wanted = self._lay_out(env, partitions)
             # onnxruntime builds the CPU parts while the EPs upload and compile theirs.
             loading = await _start_cpu_loading(graph, steps, opts, preload, workers)
+            compiling = [ep for ep in eps if any(s.partition.ep is ep for s in steps)]
+            stages = bool(wanted) + len(compiling) + (loading is not None)
+            bar = ProgressBar(stages, "create_session", opts["progress"], unit="step")
             uploads = await _upload(env, graph, wanted)
+            bar.update(bool(wanted), "create_session: initializers uploaded")
             for step in steps:
                 if step.partition.ep is not None:
                     device = step.memory.device
                     step.constants = MappingProxyType(
                         {n: uploads[n, device] for n in step.inputs if (n, device) in uploads}
                     )
-            await _compile(graph, eps, steps)
+            await _compile(graph, compiling, steps, bar)
             if loading is not None:
                 await wait_future(loading)
+                bar.update(1, "create_session: CPU parts loaded")
         except BaseException:
             if loading is not None:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await wait_future(loading)  # never leave it loading behind our back
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         self.steps = tuple(steps)
         if len(steps) == 1 and steps[0].partition.ep is None:
             self.direct = steps[0]
@@ -236,7 +246,9 @@ def _read_initializers(graph: GraphView, names: list[str]) -> list[npt.NDArray[A
     return [contiguous(graph.initializers[n].numpy()) for n in names]
 
 
-async def _compile(graph: GraphView, eps: Sequence[Ep], steps: Sequence[PlanStep]) -> None:
+async def _compile(
+    graph: GraphView, eps: Sequence[Ep], steps: Sequence[PlanStep], bar: ProgressBar
+) -> None:
     """Compile each EP's steps, one ``compile`` call per EP, off the event loop."""
     for ep in eps:
         ep_steps = [s for s in steps if s.partition.ep is ep]
@@ -260,6 +272,7 @@ async def _compile(graph: GraphView, eps: Sequence[Ep], steps: Sequence[PlanStep
                     f"EP {ep.name!r}: compile returned {c!r}, not an aioep.CompiledNode"
                 )
             s.compiled = c
+        bar.update(1, f"create_session: {ep.name} compiled")
 
 
 def _copy_points(steps: Sequence[PlanStep]) -> tuple[CopyPoint, ...]:

@@ -871,3 +871,22 @@ async def test_sim_computes_float16_in_float32_and_skips_old_opsets() -> None:
         graph = GraphView.from_model(old)
         ep = sims[0].factory.create_ep([sims[0]], None)
         assert ep.get_capability(graph) == []
+
+
+async def test_progress_bar_on_create_session(capsys: pytest.CaptureFixture[str]) -> None:
+    """create_session shows a bar over its stages when asked (or, by default, when stderr
+    is a terminal: not under pytest's capture), and refuses a progress that is not a bool."""
+    async with sim_environment() as (env, sims):
+        async with await env.create_session(chain(), [sims[0]]):
+            pass
+        assert "create_session" not in capsys.readouterr().err  # not a terminal: no bar
+        async with await env.create_session(chain(), [sims[0]], {"progress": True}):
+            pass
+        err = capsys.readouterr().err
+        assert "create_session" in err
+        assert "3/3" in err  # initializer upload, the sim's compile, the CPU part's load
+        async with await env.create_session(chain(), [sims[0]], {"progress": False}):
+            pass
+        assert capsys.readouterr().err == ""
+        with pytest.raises(InvalidArgument, match="progress must be True, False or None"):
+            await env.create_session(chain(), [sims[0]], {"progress": "yes"})
