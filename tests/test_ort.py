@@ -613,9 +613,7 @@ def test_ort_owned_host_outputs_count_on_the_registration() -> None:
     from aioep_ort._ep import _owned_by_aioep
     from aioep_ort._registry import Registration
 
-    sess = ort.InferenceSession(
-        _add_model().SerializeToString(), providers=["CPUExecutionProvider"]
-    )
+    sess = ort_baseline(_add_model())
     (raw,) = sess.run(None, {"x": np.arange(4, dtype=np.float32)})
     assert raw.base is not None  # ORT's memory, not numpy's
     reg = Registration("counted", "/nowhere/lib.so", [])
