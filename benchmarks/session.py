@@ -220,32 +220,22 @@ def split(model: Any, data: str, cut: str, out: str) -> tuple[Any, Any]:
 
 
 def stem_and_head() -> tuple[Any, Any]:
-    """x[1,3,224,224] -> Conv 3x3 (64) -> Relu -> y[1,64,224,224]; y -> Conv 1x1 (16) ->
-    Relu -> GlobalAveragePool -> z[1,16,1,1]."""
-    rng = np.random.default_rng(2)
-    w1 = (rng.standard_normal((64, 3, 3, 3)) / 5).astype(np.float32)
-    w2 = (rng.standard_normal((16, 64, 1, 1)) / 8).astype(np.float32)
+    """x[1,3,224,224] -> Conv 1x1 (3->64) -> Relu -> y[1,64,224,224] (12.8 MB); y ->
+    GlobalAveragePool -> z[1,64,1,1]: little compute around a big intermediate."""
+    w1 = (np.random.default_rng(2).standard_normal((64, 3, 1, 1)) / 2).astype(np.float32)
     f = TP.FLOAT
     stem = h.make_graph(
-        [
-            h.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
-            h.make_node("Relu", ["c"], ["y"]),
-        ],
+        [h.make_node("Conv", ["x", "w1"], ["c"]), h.make_node("Relu", ["c"], ["y"])],
         "stem",
         [h.make_tensor_value_info("x", f, [1, 3, 224, 224])],
         [h.make_tensor_value_info("y", f, [1, 64, 224, 224])],
         [onnx.numpy_helper.from_array(w1, "w1")],
     )
     head = h.make_graph(
-        [
-            h.make_node("Conv", ["y", "w2"], ["c"]),
-            h.make_node("Relu", ["c"], ["r"]),
-            h.make_node("GlobalAveragePool", ["r"], ["z"]),
-        ],
+        [h.make_node("GlobalAveragePool", ["y"], ["z"])],
         "head",
         [h.make_tensor_value_info("y", f, [1, 64, 224, 224])],
-        [h.make_tensor_value_info("z", f, [1, 16, 1, 1])],
-        [onnx.numpy_helper.from_array(w2, "w2")],
+        [h.make_tensor_value_info("z", f, [1, 64, 1, 1])],
     )
     ops = [h.make_opsetid("", 17)]
     return (
@@ -254,21 +244,19 @@ def stem_and_head() -> tuple[Any, Any]:
     )
 
 
-def wide_layer(rows: int = 16384, width: int = 64) -> Any:
-    """x[rows, width] -> MatMul -> Add -> Relu -> y[rows, width] (4 MiB in, 4 MiB out)."""
-    rng = np.random.default_rng(3)
-    w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+def scale_shift_relu(rows: int = 16384, width: int = 64) -> Any:
+    """x[rows, width] -> Mul -> Add -> Relu -> y[rows, width] (4 MiB in, 4 MiB out)."""
     graph = h.make_graph(
         [
-            h.make_node("MatMul", ["x", "w"], ["m"]),
+            h.make_node("Mul", ["x", "s"], ["m"]),
             h.make_node("Add", ["m", "b"], ["a"]),
             h.make_node("Relu", ["a"], ["y"]),
         ],
-        "wide",
+        "scale_shift_relu",
         [h.make_tensor_value_info("x", TP.FLOAT, [rows, width])],
         [h.make_tensor_value_info("y", TP.FLOAT, [rows, width])],
         [
-            onnx.numpy_helper.from_array(w, "w"),
+            onnx.numpy_helper.from_array(np.full(width, 0.5, np.float32), "s"),
             onnx.numpy_helper.from_array(np.full(width, 0.1, np.float32), "b"),
         ],
     )
@@ -529,8 +517,8 @@ async def webgpu_figures(quick: bool, with_concurrency: bool) -> dict[str, Any]:
         except (aioep.EpError, ValueError) as exc:
             return {"skipped": f"WebGPU is unusable here: {exc}"}
         g = WebGpu(env, dev)
-        meta = dict(g.ort_devs[0].device.metadata)
-        out["adapter"] = {str(k): str(v) for k, v in meta.items()}
+        hw = g.ort_devs[0].device
+        out["adapter"] = f"{hw.vendor} (vendor id {hw.vendor_id:#x}, device id {hw.device_id:#x})"
         out["latency"] = {
             "light_squeezenet": await webgpu_latency(
                 g, "light_squeezenet", *((3, 2) if quick else (5, 3))
@@ -585,11 +573,10 @@ async def cpu_concurrency(quick: bool) -> dict[str, Any]:
 # --- (f) sim EP: copy/compute overlap across streams --------------------------------------
 
 
-async def sim_overlap(quick: bool) -> dict[str, Any]:
-    opts = {"bandwidth_gbps": 2, "latency_us": 200}
-    model = wide_layer()
+async def sim_overlap(quick: bool, opts: dict[str, float]) -> dict[str, Any]:
+    model = scale_shift_relu()
     x = np.random.default_rng(6).standard_normal((16384, 64)).astype(np.float32)
-    want = np.maximum(x @ onnx.numpy_helper.to_array(model.graph.initializer[0]) + 0.1, 0)
+    want = np.maximum(x * 0.5 + 0.1, 0)
     async with aioep.Environment(autoload=False) as env:
         (sim, *_) = env.register_library("sim", "aioep_sim:SimFactory", opts)
         sess = await env.create_session(model, [sim])
@@ -630,8 +617,8 @@ async def sim_overlap(quick: bool) -> dict[str, Any]:
     per_copy = x.nbytes / (opts["bandwidth_gbps"] * 1e9) + opts["latency_us"] * 1e-6
     return {
         "options": opts,
-        "request": "4 MiB upload, x[16384,64] @ w[64,64] + b -> Relu, 4 MiB download",
-        "copy_floor_ms": per_copy * 1e3,
+        "request": "4 MiB upload, x[16384,64] * s + b -> Relu, 4 MiB download",
+        "throttled_copy_ms": per_copy * 1e3,
         "sequential_req_per_s": N_REQUESTS / s,
         "concurrent_req_per_s": N_REQUESTS / c,
         "ratio": s / c,
@@ -653,7 +640,9 @@ async def main(quick: bool, webgpu_concurrency: bool = False) -> dict[str, Any]:
     results.update(await host_mlp(quick))
     results["webgpu"] = await webgpu_figures(quick, webgpu_concurrency and not quick)
     results["cpu_concurrency_32"] = await cpu_concurrency(quick)
-    results["sim_overlap_32"] = await sim_overlap(quick)
+    results["sim_overlap_32"] = [
+        await sim_overlap(quick, {"bandwidth_gbps": gbps, "latency_us": 200}) for gbps in (2, 1)
+    ]
     results["seconds"] = time.perf_counter() - t0
     return results
 
@@ -679,8 +668,7 @@ def report(results: dict[str, Any]) -> None:
     if "skipped" in wg:
         print(f"(c), (d) skipped: {wg['skipped']}")
     else:
-        a = wg["adapter"]
-        print(f"WebGPU adapter: {a.get('Description') or a}")
+        print(f"WebGPU device: {wg['adapter']}")
         for name, r in wg["latency"].items():
             off = (
                 f"; not on WebGPU: {', '.join(r['nodes_not_on_webgpu'])}"
@@ -721,13 +709,14 @@ def report(results: dict[str, Any]) -> None:
             f"(target >= 0.95x: {verdict(ratio >= 0.95)}); aioep loop lag max {lag:.2f} ms "
             f"(target <= 10 ms: {verdict(lag <= 10)})"
         )
-    s = results["sim_overlap_32"]
-    print(
-        f"(f) sim bandwidth {s['options']['bandwidth_gbps']} GB/s, latency "
-        f"{s['options']['latency_us']} us: 32 sequential {s['sequential_req_per_s']:.1f} req/s, "
-        f"32 concurrent on per-request streams {s['concurrent_req_per_s']:.1f} req/s -> "
-        f"{s['ratio']:.2f}x (target >= 1.6x: {verdict(s['ratio'] >= 1.6)})"
-    )
+    for s in results["sim_overlap_32"]:
+        print(
+            f"(f) sim bandwidth {s['options']['bandwidth_gbps']} GB/s, latency "
+            f"{s['options']['latency_us']} us ({s['throttled_copy_ms']:.2f} ms a copy): "
+            f"32 sequential {s['sequential_req_per_s']:.1f} req/s, 32 concurrent on "
+            f"per-request streams {s['concurrent_req_per_s']:.1f} req/s -> {s['ratio']:.2f}x "
+            f"(target >= 1.6x: {verdict(s['ratio'] >= 1.6)})"
+        )
     print(f"total {results['seconds']:.0f} s")
 
 

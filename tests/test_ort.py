@@ -608,7 +608,7 @@ def test_ort_owned_host_outputs_count_on_the_registration() -> None:
     tensor does, and a plugin such as OpenVINO may have allocated it): the host path wraps
     it so that it counts as a live value of the library's registration until its last
     view is collected (ORT unregisters the library only then)."""
-    import onnxruntime as ort
+    from _baseline import ort_baseline
 
     from aioep_ort._ep import _owned_by_aioep
     from aioep_ort._registry import Registration
