@@ -80,19 +80,23 @@ def make_arena_pairs(arena: ArenaAllocator) -> Any:
 
 
 def make_arena_raw_pairs(arena: ArenaAllocator) -> Any:
-    # The arena's own bookkeeping (find/split/park/coalesce) without building a Buffer.
+    # The arena's own bookkeeping (parked chunks, find/split/coalesce in the BFC core)
+    # without building a Buffer, as alloc and a buffer's release do it.
     def run(sizes: list[int]) -> None:
         size_class = arena._size_class
         lock = arena._lock
+        pool = arena._pool
         for n in sizes:
             rounded = size_class(n)
             with lock:
-                parked = arena._quick.get(rounded)
-                chunk = arena._take_parked(parked, None) if parked else None
+                parked = pool.quick.get(rounded)
+                chunk = pool.take_parked(parked, None) if parked else None
                 if chunk is None:
-                    chunk = arena._find(rounded, None) or arena._grow_and_find(n, rounded, None)
-                chunk.in_use = True
+                    chunk = pool.find(rounded, None) or pool.grow_and_find(
+                        n, rounded, None, arena._in_use
+                    )
                 chunk.requested = n
+                chunk.tag = None
                 chunk.cls = rounded
                 arena._in_use += chunk.size
                 arena._live_buffers += 1
