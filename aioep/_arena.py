@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ._allocator import Allocator
 from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
-from ._arena_pool import StreamPool
+from ._arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from ._arena_regions import RegionReturns, free_handles
 from ._bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
 from ._errors import ClosedError, InUseError, InvalidArgument
@@ -40,6 +40,9 @@ __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 # interchangeable and a recurring size is a dict lookup (PyTorch's roundup_power2_divisions).
 _CLASS_BITS = 3
 _CLASS_SHIFT = _CLASS_BITS + 1
+# Above the fast path's sizes (PARK_MAX) classes are finer, 64 per power of two (at most
+# 1.6% more): big chunks are not parked, so coarse classes would only waste memory.
+_FINE_SHIFT = 6 + 1
 
 _PIN_LOCK = threading.Lock()  # guards the pin counts of arena buffers (held for an increment)
 _new_buffer = object.__new__
@@ -49,15 +52,28 @@ class _ArenaBuffer(Buffer):
     """An arena buffer: released by ``__del__`` (no ``weakref.finalize``) or :meth:`free`.
 
     ``_chunk`` is the arena chunk while the buffer holds it; the arena clears it under
-    its lock, so a buffer is released exactly once whichever way comes first.
+    its lock, so a buffer is released exactly once whichever way comes first. Each
+    arena makes a subclass with its ``memory_info`` and ``allocator``; what is the
+    same for every arena buffer is a class attribute here, so creating one sets five
+    slots.
     """
 
     __slots__ = ("_chunk",)
     _chunk: Chunk | None
+    readonly = False
+    _pin_lock = _PIN_LOCK
+    _finalizer = None
 
     @property
     def freed(self) -> bool:
-        return self._released or self._chunk is None
+        return self._chunk is None
+
+    @property
+    def _owner(self) -> object:  # type: ignore[override]
+        # Views of host memory hold the region's backing object, so reading a freed
+        # buffer through a view never touches unmapped memory.
+        chunk = self._chunk
+        return None if chunk is None else chunk.region.handle._owner  # type: ignore[attr-defined]
 
     def free(self) -> None:
         # Reading _pins without the lock is safe: a concurrent _pin either comes first
@@ -67,10 +83,8 @@ class _ArenaBuffer(Buffer):
                 f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
                 f"used by {self._pins} operation(s) in flight; await them before freeing"
             )
-        self._released = True
         if self._chunk is not None:
             self.allocator._release_buffer(self)  # type: ignore[union-attr]
-        self._owner = None
 
     def __del__(self) -> None:
         if self._chunk is not None:
@@ -108,7 +122,14 @@ class ArenaAllocator(Allocator):
         self._core = core = BfcCore(unit, config.max_dead_bytes_per_chunk)
         self._returns = RegionReturns(core, lock, self._after_give_back)
         self._pool = pool = StreamPool(base, config, unit, self._returns)
-        self._quick = pool.quick  # the hot path reads the parked chunks directly
+        self._fast = pool.fast  # the hot path reads the parked chunks directly
+        # Buffers of this arena: memory info and allocator are class attributes (fewer
+        # stores per buffer); _chunk ties a buffer to its chunk until it is released.
+        self._buffer_class = type(
+            "_ArenaBuffer",
+            (_ArenaBuffer,),
+            {"__slots__": (), "memory_info": self.memory_info, "allocator": self},
+        )
         # Size classes need a power-of-two unit; otherwise every size is its own class.
         self._class_from = unit << (_CLASS_BITS + 1) if unit & (unit - 1) == 0 else SIZE_MAX
         # A finalizer can run a release on this thread while it is inside a locked section
@@ -142,7 +163,8 @@ class ArenaAllocator(Allocator):
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")
         # The size class (see _size_class), inlined, as this is the hot path.
         if nbytes > self._class_from:
-            step = 1 << ((nbytes - 1).bit_length() - _CLASS_SHIFT)
+            bits = (nbytes - 1).bit_length()
+            step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))
             rounded = (nbytes + step - 1) & -step
         else:
             unit = self._unit
@@ -151,51 +173,17 @@ class ArenaAllocator(Allocator):
         lock.acquire()
         self._busy = True
         try:
-            chunk = None
-            parked = self._quick.get(rounded)
-            if parked:
-                if len(parked) == 1 and (parked[0].tag is None or parked[0].tag is stream):
-                    chunk = parked.pop()
-                    self._pool.quick_count -= 1
-                else:  # the lowest usable address, as best fit would pick
-                    chunk = self._pool.take_parked(parked, stream)
-            if chunk is None:
-                chunk = self._pool.find(rounded, stream)
-                if chunk is None:
-                    chunk = self._pool.grow_and_find(nbytes, rounded, stream, self._in_use)
-            chunk.requested = nbytes
-            chunk.tag = stream
-            chunk.cls = rounded
-            size = chunk.size
-            self._in_use = in_use = self._in_use + size
-            if in_use > self._max_in_use:
-                self._max_in_use = in_use
-            if size > self._max_alloc_size:
-                self._max_alloc_size = size
-            self._live_buffers += 1
-            self._num_allocs += 1
-            self._bytes_in_use = requested = self._bytes_in_use + nbytes
-            if requested > self._peak_bytes_in_use:
-                self._peak_bytes_in_use = requested
+            chunk = self._take_locked(nbytes, rounded, stream)
         finally:
             if self._deferred:
                 self._end_section()
             self._busy = False
             lock.release()
-        buffer = _new_buffer(_ArenaBuffer)
+        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
         buffer.ptr = chunk.ptr
         buffer.nbytes = nbytes
-        buffer.memory_info = self.memory_info
-        buffer.allocator = self
-        buffer.readonly = False
         buffer.stream = stream
-        # Views of host memory keep the region's backing object alive, so reading a freed
-        # buffer through a view never touches unmapped memory.
-        buffer._owner = chunk.region.handle._owner  # type: ignore[attr-defined]
         buffer._pins = 0
-        buffer._released = False
-        buffer._pin_lock = _PIN_LOCK
-        buffer._finalizer = None
         buffer._chunk = chunk
         return buffer
 
@@ -222,21 +210,16 @@ class ArenaAllocator(Allocator):
                 chunk = self._pool.new_region(nbytes, dedicated=True).head
                 chunk.requested = nbytes
                 chunk.tag = stream
+                chunk.cls = 0  # never parked
                 self._num_reserves += 1
                 self._account_alloc(chunk.size, nbytes)
             finally:
                 self._end_section()
-        buffer = _new_buffer(_ArenaBuffer)
-        Buffer.__init__(
-            buffer,
-            chunk.ptr,
-            chunk.requested,
-            self.memory_info,
-            allocator=self,
-            owner=chunk.region.handle._owner,  # type: ignore[attr-defined]
-            stream=stream,
-        )
-        buffer._pin_lock = _PIN_LOCK
+        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
+        buffer.ptr = chunk.ptr
+        buffer.nbytes = nbytes
+        buffer.stream = stream
+        buffer._pins = 0
         buffer._chunk = chunk
         return buffer
 
@@ -327,7 +310,54 @@ class ArenaAllocator(Allocator):
         self._returns.watch_all(pending, closed=True)
         self._maybe_retire_base()
 
-    # -- releasing buffers -------------------------------------------------------------------
+    # -- taking and releasing chunks -----------------------------------------------------------
+    def _take_locked(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
+        """A chunk of class ``rounded`` for a request, counted (lock held, in a section)."""
+        per = self._fast.get(rounded)
+        # The fast path: only this stream (or, for a host request, nobody) has parked
+        # chunks of this class; the lowest address is last.
+        if per is not None and len(per) == 1 and (parked := per.get(stream)):
+            chunk = parked.pop()
+            if not parked and stream is not None:
+                del per[stream]  # streams come and go: no empty lists for them
+            size = chunk.size
+        else:
+            chunk = self._pool.take(nbytes, rounded, stream, self._in_use)
+            size = chunk.size
+            if size > self._max_alloc_size:
+                self._max_alloc_size = size
+        chunk.requested = nbytes
+        chunk.tag = stream
+        chunk.cls = rounded
+        self._in_use = in_use = self._in_use + size
+        if in_use > self._max_in_use:
+            self._max_in_use = in_use
+        self._live_buffers += 1
+        self._num_allocs += 1
+        self._bytes_in_use = requested = self._bytes_in_use + nbytes
+        if requested > self._peak_bytes_in_use:
+            self._peak_bytes_in_use = requested
+        return chunk
+
+    def _free_chunk(self, chunk: Chunk) -> Region | None:
+        """Take back a chunk whose buffer was freed (lock held, in a section): park it or
+        free it in the core; returns a region to give back (see StreamPool.put_back)."""
+        self._in_use -= chunk.size
+        self._live_buffers -= 1
+        self._bytes_in_use -= chunk.requested
+        if chunk.tag is None and not self._closed:
+            # A host chunk of a parked class (reserved chunks have class 0): the fast path.
+            per = self._fast.get(chunk.cls)
+            if per is not None:
+                parked = per.get(None)
+                if parked is None:
+                    per[None] = [chunk]
+                    return None
+                if not parked or (len(parked) < MAX_PARKED and parked[-1].ptr > chunk.ptr):
+                    parked.append(chunk)
+                    return None
+        return self._pool.put_back(chunk, closed=self._closed)
+
     def _release_buffer(self, buffer: _ArenaBuffer) -> None:
         """An arena buffer was freed or dropped (from any thread): return its chunk once."""
         lock = self._lock
@@ -350,11 +380,12 @@ class ArenaAllocator(Allocator):
             if self._deferred:
                 self._end_section()
             self._busy = False
-            watch = self._returns.take_watch() if self._returns.watch else []
+            watch = self._returns.take_watch() if self._returns.watch else None
             lock.release()
         if gone is not None:
             free_handles([gone])
-        self._returns.watch_all(watch, closed=False)
+        if watch:
+            self._returns.watch_all(watch, closed=False)
 
     def _release_chunk(self, chunk: Chunk) -> None:
         """Return a chunk whose buffer was freed (from any thread)."""
@@ -382,14 +413,6 @@ class ArenaAllocator(Allocator):
         elif closed:
             self._maybe_retire_base()
 
-    def _free_chunk(self, chunk: Chunk) -> Region | None:
-        """Take back a chunk (lock held); returns a region to give back (see put_back)."""
-        self._in_use -= chunk.size
-        self._live_buffers -= 1
-        self._bytes_in_use -= chunk.requested
-        chunk.requested = 0
-        return self._pool.put_back(chunk, closed=self._closed)
-
     def _end_section(self) -> None:
         # Called with the lock held: run releases that finalizers queued meanwhile.
         while self._deferred:
@@ -401,7 +424,8 @@ class ArenaAllocator(Allocator):
     def _size_class(self, nbytes: int) -> int:
         """The chunk size a request of ``nbytes`` (> 0) gets (as :meth:`alloc` inlines it)."""
         if nbytes > self._class_from:
-            step = 1 << ((nbytes - 1).bit_length() - _CLASS_SHIFT)
+            bits = (nbytes - 1).bit_length()
+            step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))
             return (nbytes + step - 1) & -step
         return self._core.round(nbytes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._arena_config import SIZE_MAX, ArenaConfig
+from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from ._arena_regions import RegionReturns, RegionSizer, free_handles
 from ._bfc import Chunk, Region
 from ._errors import DeviceError, EpError
@@ -17,7 +17,12 @@ if TYPE_CHECKING:
 __all__ = ["StreamPool", "idle", "usable"]
 
 _BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
-MAX_PARKED = 64  # freed chunks parked before they go back to the core
+_RESIZE_MIN = 1 << 20  # see StreamPool.find: never resize a region for less dead space
+MAX_PARKED = 16  # freed chunks kept per stream and size class; more go back to the core
+# Only chunks up to this size are parked (PyTorch's small-pool cutoff): small sizes repeat
+# often and cost little to hold; larger ones go back to the core at once, so they merge
+# and big requests find room without first flushing the fast path.
+PARK_MAX = 1 << 20
 
 
 def idle(stream: SyncStream) -> bool:
@@ -48,11 +53,20 @@ def usable(chunk: Chunk, stream: SyncStream | None, cache: dict[int, bool]) -> b
 
 class StreamPool:
     """Free memory for streams: the BFC core's chunks tagged with the stream that freed
-    them, chunks parked by size class in front of it, and regions from ``base``.
+    them, a fast path of parked chunks in front of it, and regions from ``base``.
 
     A chunk's ``tag`` is the stream it was allocated on while in use, and after the free
     the stream that may still use it (``None`` once that work is done); its ``mark`` is
-    that stream's sync id at the free. Parked chunks are in use as far as the core knows.
+    that stream's sync id at the free.
+
+    The fast path: a freed chunk is parked in ``fast[size class][tag]``, a short list
+    (highest address first) that the next request of that class on the same stream
+    pops without walking bins; ``None``'s list serves every stream, and a request on
+    another stream takes a parked chunk only where the stream rule allows it. Among the
+    chunks a request may take, it gets the lowest address, as best fit would pick.
+    Parked chunks are in use as far as the core knows; they go back to it on pressure
+    (before the arena would extend, on ``shrink()`` and close) and whenever a caller
+    looks at the chunks.
     """
 
     def __init__(
@@ -66,36 +80,96 @@ class StreamPool:
         self.sizer = RegionSizer(config, unit, self.limit)
         self.returns = returns
         assert core.unit == unit
-        # Freed chunks parked by size class before they go back to the core, like
-        # malloc's fast bins: an alloc/free cycle of one size then costs a list append
-        # and pop. They go back before the arena would extend, and whenever a caller
-        # looks at the chunks.
-        self.quick: dict[int, list[Chunk]] = {}
-        self.quick_count = 0
+        self.fast: dict[int, dict[SyncStream | None, list[Chunk]]] = {}
         self.max_reserved = 0
         self.shrinkages = 0
+        self.tagged = False  # set once a stream allocates: free chunks may carry tags
+        self.exact = config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED
 
     # -- taking ------------------------------------------------------------------------------
-    def take_parked(self, parked: list[Chunk], stream: SyncStream | None) -> Chunk | None:
-        """The parked chunk of the lowest address ``stream`` may use (as best fit would
-        pick), or None."""
-        best = -1
+    def take(self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int) -> Chunk:
+        """A chunk of class ``rounded`` for ``stream`` when its own parked list is empty:
+        an untagged parked one, another stream's that the rule allows, the core's best
+        fit, or a new region.
+
+        Raises:
+            DeviceError: out of memory (``in_use`` goes in the message).
+        """
+        if stream is not None:
+            self.tagged = True
+        per = self.fast.get(rounded)
+        if per:
+            chunk = self._take_parked(per, stream)
+            if chunk is not None:
+                return chunk
+        chunk = self.find(rounded, stream)
+        if chunk is None:
+            chunk = self.grow_and_find(nbytes, rounded, stream, in_use)
+        return chunk
+
+    @staticmethod
+    def _take_parked(
+        per: dict[SyncStream | None, list[Chunk]], stream: SyncStream | None
+    ) -> Chunk | None:
+        # The lowest usable address among the parked chunks of one class.
+        best: Chunk | None = None
+        best_owner: SyncStream | None = None
         cache: dict[int, bool] = {}
-        for i, chunk in enumerate(parked):
-            owner = chunk.tag
-            if (owner is None or owner is stream or usable(chunk, stream, cache)) and (
-                best < 0 or chunk.ptr < parked[best].ptr
-            ):
-                best = i
-        if best < 0:
+        for owner, parked in per.items():
+            if not parked:
+                continue
+            if owner is None or owner is stream:
+                chunk = parked[-1]  # the list's lowest address, and every one is usable
+                if best is None or chunk.ptr < best.ptr:
+                    best, best_owner = chunk, owner
+                continue
+            for chunk in parked:
+                if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
+                    best, best_owner = chunk, owner
+        if best is None:
             return None
-        self.quick_count -= 1
-        return parked.pop(best)
+        parked = per[best_owner]
+        parked.remove(best)
+        if not parked and best_owner is not None:
+            del per[best_owner]  # streams come and go: no empty lists for them
+        return best
 
     def find(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
-        """The core's best-fitting chunk that ``stream`` may use, or None."""
-        cache: dict[int, bool] = {}
-        return self.core.alloc(rounded, stream, lambda chunk: usable(chunk, stream, cache))
+        """The core's best-fitting chunk that ``stream`` may use, or None.
+
+        Under ``SAME_AS_REQUESTED``, when that chunk came from a wholly free region at
+        most twice the request that would leave at least max(1 MiB, 1/8 of the request)
+        unused, the region is given back and replaced by one of the request's size:
+        reserved memory only goes down, and the region is not kept half dead.
+        """
+        if self.tagged:
+            cache: dict[int, bool] = {}
+            chunk = self.core.alloc(rounded, stream, lambda c: usable(c, stream, cache))
+        else:  # no stream has allocated yet: every free chunk is untagged
+            chunk = self.core.alloc(rounded)
+        if chunk is not None and self.exact and chunk.prev is None:
+            size = chunk.region.size
+            rest = chunk.next
+            if (
+                size - rounded >= max(_RESIZE_MIN, rounded >> 3)
+                and size <= 2 * rounded
+                and (rest is None or (not rest.in_use and rest.next is None))
+                and chunk.tag is None  # nobody may still use it: it can go back to the base
+            ):
+                return self._resize_region(chunk, rounded)
+        return chunk
+
+    def _resize_region(self, chunk: Chunk, rounded: int) -> Chunk | None:
+        region = chunk.region
+        self.core.free(chunk)
+        self.core.remove_region(region)
+        self.shrinkages += 1
+        free_handles([region])
+        try:
+            self.new_region(rounded, dedicated=False)
+        except DeviceError:
+            return None  # the caller extends (or reports the failure) as for any miss
+        return self.core.alloc(rounded)  # the new region fits it exactly
 
     def grow_and_find(
         self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int
@@ -105,8 +179,7 @@ class StreamPool:
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
-        flushed = self.quick_count
-        self.flush()
+        flushed = self.flush()
         if self.reset_passed_streams() or flushed:
             chunk = self.find(rounded, stream)
             if chunk is not None:
@@ -131,7 +204,7 @@ class StreamPool:
         if rounded > available:
             why = f"only {available} bytes are left under the limit"
             raise self.oom(nbytes, rounded, why, in_use)
-        size = self.sizer.size_for(rounded, available)
+        size = self.sizer.size_for(rounded, available, self.core.reserved - self.core.in_use)
         while True:
             try:
                 self.new_region(size, dedicated=False)
@@ -189,18 +262,12 @@ class StreamPool:
             # The point in the stream's order after the work that used this chunk.
             chunk.mark = stream._sync_id
             if idle(stream):
-                chunk.tag = None  # that work is done: anyone may take it
+                chunk.tag = stream = None  # that work is done: anyone may take it
         region = chunk.region
         if not region.dedicated and not closed:
-            parked = self.quick.get(chunk.cls)
-            if parked is None:
-                self.quick[chunk.cls] = [chunk]
-            else:
-                parked.append(chunk)
-            self.quick_count += 1
-            if self.quick_count > MAX_PARKED:
-                self.flush()
-            return None
+            if chunk.cls > PARK_MAX or not self.park(chunk, stream):
+                self.core.free(chunk, chunk.tag, chunk.mark)
+            return None  # the region stays, free or not, until pressure or shrink()
         merged = self.core.free(chunk, chunk.tag, chunk.mark)
         if not region.wholly_free:
             return None
@@ -210,16 +277,40 @@ class StreamPool:
         self.returns.watch.append(region)  # freed while its stream may still use it
         return None
 
-    def flush(self) -> None:
-        """Free every parked chunk in the core, where it merges."""
-        if not self.quick_count:
-            return
-        parked = [c for chunks in self.quick.values() for c in chunks]
-        self.quick.clear()
-        self.quick_count = 0
+    def park(self, chunk: Chunk, tag: SyncStream | None) -> bool:
+        """Park a freed chunk in its class's list for ``tag``; False when that list is full."""
+        per = self.fast.get(chunk.cls)
+        if per is None:
+            self.fast[chunk.cls] = {tag: [chunk]}
+            return True
+        parked = per.get(tag)
+        if parked is None:
+            per[tag] = [chunk]
+            return True
+        n = len(parked)
+        if n >= MAX_PARKED:
+            return False
+        if not n or parked[-1].ptr > chunk.ptr:
+            parked.append(chunk)
+        else:  # keep the list highest address first, so pop() gives the lowest
+            i = 0
+            ptr = chunk.ptr
+            while parked[i].ptr > ptr:
+                i += 1
+            parked.insert(i, chunk)
+        return True
+
+    def flush(self) -> int:
+        """Free every parked chunk in the core, where it merges; returns how many."""
+        fast = self.fast
+        if not fast:
+            return 0
+        parked = [c for per in fast.values() for chunks in per.values() for c in chunks]
+        fast.clear()
         free = self.core.free
         for chunk in parked:
             free(chunk, chunk.tag, chunk.mark)
+        return len(parked)
 
     def reset_passed_streams(self) -> int:
         """Untag free chunks whose stream has passed their point; returns how many."""

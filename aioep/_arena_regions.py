@@ -34,10 +34,18 @@ class RegionSizer:
         unit = self.unit
         return (nbytes + unit - 1) // unit * unit
 
-    def size_for(self, rounded: int, available: int) -> int:
+    def size_for(self, rounded: int, available: int, free: int = 0) -> int:
         """The next region's size for a request of ``rounded`` bytes (``available`` > it is
-        what the limit leaves), and the strategy's state moved on."""
+        what the limit leaves, ``free`` the bytes free in the arena's regions), and the
+        strategy's state moved on.
+
+        Under ``NEXT_POWER_OF_TWO``, when the free bytes could hold the request but no
+        free chunk does (fragmentation, not a lack of memory), the region is just the
+        request: a doubled region would mostly sit idle.
+        """
         if self.config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED:
+            return rounded
+        if self.extensions and free >= rounded:
             return rounded
         size = self.next_bytes
         grew = False
