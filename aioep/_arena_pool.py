@@ -179,6 +179,10 @@ class StreamPool:
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
+        if self.fast and self.flush_run(rounded):
+            chunk = self.find(rounded, stream)
+            if chunk is not None:
+                return chunk
         flushed = self.flush()
         if self.reset_passed_streams() or flushed:
             chunk = self.find(rounded, stream)
@@ -299,6 +303,56 @@ class StreamPool:
                 i += 1
             parked.insert(i, chunk)
         return True
+
+    def flush_run(self, rounded: int) -> bool:
+        """Free just the parked chunks in the way of a request, and returns whether it did.
+
+        It takes the smallest run of untagged free and parked chunks that would hold
+        ``rounded`` bytes once merged, and within it the fewest chunks around its
+        largest free one; the other parked chunks stay for their sizes.
+        """
+        parked = {id(c) for per in self.fast.values() for c in per.get(None, ())}
+        if not parked:
+            return False
+        best: list[Chunk] = []
+        best_size = 0
+        for region in self.core.regions:
+            if region.dedicated:
+                continue
+            run: list[Chunk] = []
+            size = 0
+            c: Chunk | None = region.head
+            while True:
+                if c is not None and c.tag is None and (not c.in_use or id(c) in parked):
+                    run.append(c)
+                    size += c.size
+                else:
+                    if size >= rounded and (not best or size < best_size):
+                        best, best_size = run, size
+                    if c is None:
+                        break
+                    run, size = [], 0
+                c = c.next
+        if not best:
+            return False
+        # Grow a window from the run's largest free chunk, the bigger neighbour first.
+        free = [c for c in best if not c.in_use]
+        lo = hi = best.index(max(free, key=lambda c: c.size)) if free else 0
+        size = best[lo].size
+        while size < rounded:
+            left = best[lo - 1].size if lo > 0 else -1
+            right = best[hi + 1].size if hi + 1 < len(best) else -1
+            if left >= right:
+                lo -= 1
+                size += left
+            else:
+                hi += 1
+                size += right
+        to_free = [c for c in best[lo : hi + 1] if c.in_use]
+        for chunk in to_free:
+            self.fast[chunk.cls][None].remove(chunk)
+            self.core.free(chunk, None, chunk.mark)
+        return bool(to_free)
 
     def flush(self) -> int:
         """Free every parked chunk in the core, where it merges; returns how many."""

@@ -121,6 +121,22 @@ def test_parked_chunks_go_back_before_the_arena_would_extend() -> None:
     whole.free()
 
 
+def test_pressure_frees_only_the_parked_chunks_in_the_way() -> None:
+    a = arena(initial_chunk_size_bytes=MiB, max_mem=MiB)
+    low = a.alloc(4096)  # [0, 4K): parked below a live chunk, out of the way
+    live = a.alloc(4096)
+    top = a.alloc(65536)  # [8K, 72K): parked next to the free tail
+    low_ptr = low.ptr
+    low.free()
+    top.free()
+    big = a.alloc(MiB - 65536)  # a size class of its own; needs the tail and top's chunk
+    assert big.ptr == live.ptr + 4096
+    assert [c.ptr for c in a._fast[4096][None]] == [low_ptr]  # still parked
+    assert a.alloc(4096).ptr == low_ptr
+    assert a.stats()["NumArenaExtensions"] == 1
+    del live, big
+
+
 def test_shrink_and_close_return_parked_chunks() -> None:
     base = HostAllocator()
     a = ArenaAllocator(base, ArenaConfig(initial_chunk_size_bytes=MiB))
