@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import sys
 import threading
 from typing import Any
 
@@ -254,10 +255,15 @@ def test_eight_threads_churning_keep_chunks_apart_and_stats_exact(
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i, ops)) for i, ops in enumerate(traces)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so short traces really interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not errors, errors
     live = [buf for bufs in kept for buf in bufs]
     check_invariants(a, live)
