@@ -937,3 +937,25 @@ async def test_cancelled_and_closing_runs_keep_their_tensors(webgpu_path: str) -
         with pytest.raises(aioep.ClosedError):
             await sess.run({"x": x})
         del out
+
+
+async def test_an_output_nothing_reads_does_not_keep_a_node_off_the_plugin(
+    webgpu_path: str,
+) -> None:
+    """A node whose unused extra output has no inferable type (old Dropout's mask) is still
+    claimed by the plugin EP: light_squeezenet runs wholly on WebGPU."""
+    import onnx
+    from _baseline import ort_baseline
+
+    model = onnx.load(_light_model("light_squeezenet.onnx"))
+    name = _data_input(model)
+    x = np.random.default_rng(2).random((1, 3, 224, 224), dtype=np.float32)
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("webgpu", webgpu_path)
+        async with await env.create_session(model, [dev]) as sess:
+            assert set(sess.assignment) == {dev.ep_name}
+            out = await sess.run({name: x}, output_location="host")
+            (y,) = out.values()
+            (want,) = ort_baseline(model).run(None, {name: x})
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-3, atol=1e-4)
+            del out, y

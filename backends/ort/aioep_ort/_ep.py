@@ -241,15 +241,18 @@ class OrtPluginEp(Ep):
     def get_capability(self, graph: GraphView) -> list[IndexedSubGraph]:
         # Nodes that read or write host-only values (strings, sequences, optionals, values
         # of unknown type) stay with the session's CPU fallback: group inputs and outputs
-        # are tensors, and a split there keeps them off the group's boundary.
+        # are tensors, and a split there keeps them off the group's boundary. An output
+        # nothing reads (Dropout's mask, often of unknown type) never crosses a boundary.
+        outputs = set(graph.output_names)
+
+        def crosses(name: str) -> bool:
+            return bool(graph.consumers(name)) or name in outputs
+
         nodes = [
             i
             for i in graph.unassigned_nodes
-            if all(
-                _device_value(graph, n)
-                for n in (*graph.nodes[i].all_inputs, *graph.nodes[i].outputs)
-                if n
-            )
+            if all(_device_value(graph, n) for n in graph.nodes[i].all_inputs if n)
+            and all(_device_value(graph, n) for n in graph.nodes[i].outputs if n and crosses(n))
         ]
         claims = []
         for k, group in enumerate(graph.convex_groups(nodes)):
