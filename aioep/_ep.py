@@ -109,6 +109,10 @@ class Ep(abc.ABC):
     uses_stream: bool = True
     """False for an EP whose compiled nodes run off the loop on their own (they get
     ``stream=None``); the session then creates no stream for it."""
+    initializers_in_memory: bool = True
+    """False for an EP whose compiled groups hold their initializers themselves (ONNX
+    Runtime plugin EPs put them in each group's sub-model): the session then passes the
+    initializer inputs as host tensors and uploads nothing to :attr:`memory_info`."""
 
     def __init__(self) -> None:
         self._environment: Environment | None = None

@@ -129,7 +129,7 @@ class SessionPlan:
             bar.update(bool(wanted), "create_session: initializers uploaded")
             for step in steps:
                 if step.partition.ep is not None:
-                    device = step.memory.device
+                    device = _initializer_memory(step.partition.ep).device
                     step.constants = MappingProxyType(
                         {n: uploads[n, device] for n in step.inputs if (n, device) in uploads}
                     )
@@ -171,9 +171,10 @@ class SessionPlan:
                 stream = env.create_sync_stream(ep.ep_devices[0])
                 self.streams[ep.name] = stream
             memory = ep.memory_info
+            home = _initializer_memory(ep)
             for name in part.meta_def.inputs:
                 if name in graph.initializers:
-                    wanted.setdefault((name, memory.device), (memory, stream))
+                    wanted.setdefault((name, home.device), (home, stream))
             steps.append(PlanStep(part, memory, stream, part.meta_def.inputs))
         return steps, wanted
 
@@ -215,6 +216,11 @@ async def _start_cpu_loading(
     if cpu_steps[0].ort_session is not None:
         return None
     return workers.submit(load_parts, graph, cpu_steps, opts, whole)
+
+
+def _initializer_memory(ep: Ep) -> MemoryInfo:
+    """Where the session puts the initializers ``ep`` reads (see ``Ep.initializers_in_memory``)."""
+    return ep.memory_info if ep.initializers_in_memory else HOST_MEMORY_INFO
 
 
 async def _upload(

@@ -211,6 +211,7 @@ class OrtPluginEp(Ep):
             raise InvalidArgument(f"{name}: no onnxruntime EP devices to select")
         self.name = name
         self.uses_stream = False  # ORT orders its own device work inside session.run
+        self.initializers_in_memory = False  # each group's sub-model holds its initializers
         self._ort_devices = list(ort_devices)
         self._provider_options = {str(k): str(v) for k, v in (options or {}).items()}
         self._check = check
@@ -243,10 +244,10 @@ class OrtPluginEp(Ep):
         # of unknown type) stay with the session's CPU fallback: group inputs and outputs
         # are tensors, and a split there keeps them off the group's boundary. An output
         # nothing reads (Dropout's mask, often of unknown type) never crosses a boundary.
-        outputs = set(graph.output_names)
+        graph_outputs = set(graph.output_names)
 
         def crosses(name: str) -> bool:
-            return bool(graph.consumers(name)) or name in outputs
+            return bool(graph.consumers(name)) or name in graph_outputs
 
         nodes = [
             i
