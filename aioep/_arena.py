@@ -179,13 +179,7 @@ class ArenaAllocator(Allocator):
                 self._end_section()
             self._busy = False
             lock.release()
-        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
-        buffer.ptr = chunk.ptr
-        buffer.nbytes = nbytes
-        buffer.stream = stream
-        buffer._pins = 0
-        buffer._chunk = chunk
-        return buffer
+        return self._buffer(chunk, nbytes, stream)
 
     def reserve(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
         """Allocate a dedicated region of ``nbytes`` straight from the base (ORT's ``Reserve``).
@@ -215,6 +209,9 @@ class ArenaAllocator(Allocator):
                 self._account_alloc(chunk.size, nbytes)
             finally:
                 self._end_section()
+        return self._buffer(chunk, nbytes, stream)
+
+    def _buffer(self, chunk: Chunk, nbytes: int, stream: SyncStream | None) -> Buffer:
         buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
         buffer.ptr = chunk.ptr
         buffer.nbytes = nbytes

@@ -300,21 +300,21 @@ class BfcCore:
         nxt = chunk.next
         if nxt is not None and not nxt.in_use and nxt.tag is tag:
             self._remove(nxt)
-            chunk.size += nxt.size
-            if nxt.mark > chunk.mark:
-                chunk.mark = nxt.mark
-            after = chunk.next = nxt.next
-            if after is not None:
-                after.prev = chunk
+            _join(chunk, nxt)
         prev = chunk.prev
         if prev is not None and not prev.in_use and prev.tag is tag:
             self._remove(prev)
-            prev.size += chunk.size
-            if chunk.mark > prev.mark:
-                prev.mark = chunk.mark
-            after = prev.next = chunk.next
-            if after is not None:
-                after.prev = prev
+            _join(prev, chunk)
             chunk = prev
         self._insert(chunk)
         return chunk
+
+
+def _join(left: Chunk, right: Chunk) -> None:
+    """``left`` takes in its neighbour ``right`` (the later mark of the two is kept)."""
+    left.size += right.size
+    if right.mark > left.mark:
+        left.mark = right.mark
+    after = left.next = right.next
+    if after is not None:
+        after.prev = left
