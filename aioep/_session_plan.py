@@ -115,6 +115,7 @@ class SessionPlan:
         graph = self.graph
         loading: Future[None] | None = None
         bar: ProgressBar | None = None
+        steps: list[PlanStep] = []
         try:
             # Claims and graph checks can be long on a large model: off the loop.
             partitions = await anyio.to_thread.run_sync(partition_graph, graph, eps)
@@ -141,6 +142,9 @@ class SessionPlan:
             if loading is not None:
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                     await wait_future(loading)  # never leave it loading behind our back
+            for step in steps:  # groups compiled before the failure hold EP resources
+                if step.compiled is not None:
+                    step.compiled.release()
             raise
         finally:
             if bar is not None:

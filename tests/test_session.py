@@ -890,3 +890,24 @@ async def test_progress_bar_on_create_session(capsys: pytest.CaptureFixture[str]
         assert capsys.readouterr().err == ""
         with pytest.raises(InvalidArgument, match="progress must be True, False or None"):
             await env.create_session(chain(), [sims[0]], {"progress": "yes"})
+
+
+async def test_compiled_groups_are_released_when_create_session_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An EP whose compile fails for its second group (here: returns a non-CompiledNode)
+    fails create_session, and the groups compiled before it are released."""
+    released: list[FusedGroup] = []
+
+    class _Tracked(_HostKernel):
+        def release(self) -> None:
+            released.append(self.group)
+
+    def compile_half(self: HostTestEp, fused: Sequence[FusedGroup]) -> list[Any]:
+        return [_Tracked(self, fused[0]), *["not a node"] * (len(fused) - 1)]
+
+    monkeypatch.setattr(HostTestEp, "compile", compile_half)
+    async with environment(ep=claim_ops("Add", "Mul", "Sub")) as (env, devs):
+        with pytest.raises(InvalidArgument, match=r"not an aioep\.CompiledNode"):
+            await env.create_session(chain(), [devs["ep"]])
+    assert len(released) == 1
