@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import importlib.util
 import itertools
 import os
@@ -62,14 +63,16 @@ def _webgpu_skip_reason() -> str | None:
     return None
 
 
+def _library_path(package: str, skip_reason: str | None) -> str:
+    """The plugin library of ``package`` (``onnxruntime_ep_*``), or skip saying why not."""
+    if skip_reason:
+        pytest.skip(skip_reason)
+    return str(importlib.import_module(package).get_library_path())
+
+
 @pytest.fixture
 def webgpu_path() -> str:
-    reason = _webgpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    import onnxruntime_ep_webgpu  # type: ignore[import-untyped]
-
-    return str(onnxruntime_ep_webgpu.get_library_path())
+    return _library_path("onnxruntime_ep_webgpu", _webgpu_skip_reason())
 
 
 def _run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -661,12 +664,7 @@ def _openvino_skip_reason() -> str | None:
 
 @pytest.fixture
 def openvino_path() -> str:
-    reason = _openvino_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    import onnxruntime_ep_openvino  # type: ignore[import-untyped]
-
-    return str(onnxruntime_ep_openvino.get_library_path())
+    return _library_path("onnxruntime_ep_openvino", _openvino_skip_reason())
 
 
 def _data_input(model: Any) -> str:
@@ -858,6 +856,11 @@ async def test_device_outputs_outlive_their_environment(webgpu_path: str) -> Non
     assert any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
     del y
     gc.collect()
+    # A release that found the device lock busy (a session being destroyed, say) finishes
+    # on the releaser thread: wait for the releases queued so far.
+    from aioep_ort._memory import _releaser
+
+    _releaser().submit(lambda: None).result(timeout=60)
     assert not any(d.ep_name == "WebGpuExecutionProvider" for d in ort.get_ep_devices())
 
 
