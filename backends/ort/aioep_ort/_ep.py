@@ -120,9 +120,19 @@ class _OrtGroup(CompiledNode):
 
     def _run_bound(self, inputs: dict[str, Tensor], io: DeviceIO) -> list[Tensor]:
         values, error = self._run_with_iobinding(inputs, io)
+        outputs: list[Tensor] = []
+        if error is None:
+            try:
+                outputs.extend(io.adopt(v) for v in values)
+            except Exception as exc:  # an output aioep cannot hold
+                error = exc
+                outputs.clear()
+            finally:
+                with self._device_lock:
+                    values.clear()  # adopted outputs hold their OrtValues themselves
         if error is not None:
             raise error
-        return [io.adopt(v) for v in values]
+        return outputs
 
     def _run_with_iobinding(
         self, inputs: dict[str, Tensor], io: DeviceIO
