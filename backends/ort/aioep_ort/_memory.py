@@ -12,13 +12,13 @@ binding holds it for a whole ``copy_tensors`` call). The segment size is chosen
 per allocation: ``chunk_bytes`` where set, otherwise what the transfer's pacer
 measured a ``chunk_ms`` call to move (1-16 MiB; 8 MiB before any copy).
 
-Every ORT call that creates, uses or releases device memory holds the library's
-``Registration.device_lock`` (ORT's WebGPU EP crashes when a buffer is created or
-released on one thread while a copy or run uses the device on another). So that the
-event loop never waits for that lock: a buffer with opaque handles is virtual at
-first, and its OrtValues are created on first use, in the worker thread that copies
-or runs; and a buffer whose lock is busy when it is freed is released by a
-background thread.
+ORT calls that use or release device memory hold the library's
+``Registration.device_lock`` (ORT's WebGPU EP crashes when a buffer is released on one
+thread while a copy or run uses the device on another). So that the event loop never
+waits for that lock: a buffer with opaque handles is virtual at first, and its
+OrtValues are created on first use, under the lock, in the worker thread that copies
+or runs; a buffer with real addresses is allocated at once, without the lock; and a
+buffer whose lock is busy when it is freed is released by a background thread.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Block:
 
 def _new_value(registration: Registration, ort_memory_info: Any, nbytes: int) -> Any:
     """A uint8 OrtValue of ``nbytes`` in ``ort_memory_info``, counted on ``registration``
-    (call with the device lock held)."""
+    (call with the device lock held where the memory is opaque)."""
     if ort_memory_info is None:
         raise DeviceError(f"ORT library {registration.name!r} was unregistered")
     registration.value_created()
@@ -232,9 +232,10 @@ class OrtAllocator(Allocator):
             count = -(-nbytes // seg)
             block = Block(_virtual_range(nbytes), nbytes, seg, [None] * count, omi, reg, True)
         else:
-            # Real addresses: one contiguous OrtValue, made now (its address is the pointer).
-            with reg.device_lock:
-                value = _new_value(reg, omi, nbytes)
+            # Real addresses: one contiguous OrtValue, made now (its address is the pointer),
+            # without the device lock, which the caller (the event loop) must not wait for:
+            # only WebGPU's handle-based buffers were seen to break under concurrent use.
+            value = _new_value(reg, omi, nbytes)
             block = Block(int(value.data_ptr()), nbytes, nbytes, [value], omi, reg, False)
         self._map.add(block)
         return block.start
