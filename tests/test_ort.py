@@ -962,3 +962,18 @@ async def test_an_output_nothing_reads_does_not_keep_a_node_off_the_plugin(
             (want,) = ort_baseline(model).run(None, {name: x})
             np.testing.assert_allclose(y.numpy(), want, rtol=1e-3, atol=1e-4)
             del out, y
+
+
+def test_device_outputs_take_onnxruntimes_numpy_types() -> None:
+    """A device output's dtype is what onnxruntime's binding gives the same output on the
+    host (float8e4m3fn as uint8 bytes), else onnx's ml_dtypes type; values aioep cannot hold
+    as a tensor (strings, sequences, types ORT packs below a byte) are refused."""
+    from aioep_ort._binding import _numpy_dtype
+
+    assert _numpy_dtype("tensor(float)") == np.float32
+    assert _numpy_dtype("tensor(bool)") == np.bool_
+    assert _numpy_dtype("tensor(float8e4m3fn)") == np.uint8
+    assert _numpy_dtype("tensor(bfloat16)").name == "bfloat16"
+    for bad in ("tensor(int4)", "tensor(string)", "seq(tensor(float))"):
+        with pytest.raises(aioep.InvalidArgument, match="aioep cannot hold"):
+            _numpy_dtype(bad)

@@ -131,7 +131,7 @@ class DeviceIO:
         """An aioep tensor over ``value`` (an OrtValue ORT allocated on the EP's device)."""
         if not value.is_tensor():
             raise InvalidArgument(f"ORT returned a non-tensor value {value!r} on the device")
-        dtype = np.dtype(_numpy_dtype(value.data_type()))
+        dtype = _numpy_dtype(value.data_type())
         shape = tuple(int(d) for d in value.shape())
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes == 0:
@@ -140,26 +140,25 @@ class DeviceIO:
         return Tensor(buffer, shape, dtype)
 
 
-_ONNX_TO_NUMPY = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float16",
-    "tensor(double)": "float64",
-    "tensor(int8)": "int8",
-    "tensor(int16)": "int16",
-    "tensor(int32)": "int32",
-    "tensor(int64)": "int64",
-    "tensor(uint8)": "uint8",
-    "tensor(uint16)": "uint16",
-    "tensor(uint32)": "uint32",
-    "tensor(uint64)": "uint64",
-    "tensor(bool)": "bool",
-}
+# ORT packs these two (or four) to a byte; a numpy array of them holds one per byte.
+_PACKED = frozenset({"int4", "uint4", "float4e2m1", "int2", "uint2"})
 
 
-def _numpy_dtype(onnx_type: str) -> str:
+def _numpy_dtype(onnx_type: str) -> np.dtype[Any]:
+    """The numpy dtype of an ORT tensor type such as ``"tensor(float)"``: what
+    onnxruntime's own binding returns (float8e4m3fn as its uint8 bytes, so a device output
+    matches the same output made by the CPU fallback), else the ``ml_dtypes`` type onnx
+    uses (bfloat16, the other float8 types)."""
+    import onnx
+
+    name = onnx_type.removeprefix("tensor(").removesuffix(")")
+    if name == "float8e4m3fn":
+        return np.dtype(np.uint8)
     try:
-        return _ONNX_TO_NUMPY[onnx_type]
-    except KeyError:
-        raise InvalidArgument(
-            f"ORT returned a {onnx_type} output, which aioep cannot hold"
-        ) from None
+        elem = onnx.TensorProto.DataType.Value(name.upper())
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    except (ValueError, KeyError, TypeError):
+        dtype = None
+    if dtype is None or dtype.hasobject or name in _PACKED:
+        raise InvalidArgument(f"ORT returned a {onnx_type} output, which aioep cannot hold")
+    return dtype
