@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ._memory import OrtAllocator
     from ._transfer import OrtDataTransfer
 
-__all__ = ["DeviceIO"]
+__all__ = ["DeviceIO", "output_dtype"]
 
 # ORT's OrtDevice::DeviceType values.
 _ORT_DEVICE_TYPES = {DeviceType.CPU: 0, DeviceType.GPU: 1, DeviceType.FPGA: 2, DeviceType.NPU: 3}
@@ -131,13 +131,29 @@ class DeviceIO:
         """An aioep tensor over ``value`` (an OrtValue ORT allocated on the EP's device)."""
         if not value.is_tensor():
             raise InvalidArgument(f"ORT returned a non-tensor value {value!r} on the device")
-        dtype = _numpy_dtype(value.data_type())
         shape = tuple(int(d) for d in value.shape())
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = int(value.tensor_size_in_bytes())
+        dtype = output_dtype(value.data_type(), int(np.prod(shape, dtype=np.int64)), nbytes)
         if nbytes == 0:
             return Tensor.from_numpy(np.empty(shape, dtype))
         buffer = self._allocator().adopt_value(value, nbytes)
         return Tensor(buffer, shape, dtype)
+
+
+def output_dtype(onnx_type: str, count: int, nbytes: int) -> np.dtype[Any]:
+    """The numpy dtype of an ORT output of ``count`` elements in ``nbytes`` bytes.
+
+    Raises:
+        InvalidArgument: aioep cannot hold the type, or the dtype onnx maps it to does not
+            have ORT's element size (older onnx maps bfloat16 and float8e5m2 to float32).
+    """
+    dtype = _numpy_dtype(onnx_type)
+    if count * dtype.itemsize != nbytes:
+        raise InvalidArgument(
+            f"ORT returned a {onnx_type} output of {nbytes} bytes for {count} element(s); "
+            f"aioep cannot hold it as {dtype} ({dtype.itemsize} bytes each)"
+        )
+    return dtype
 
 
 # ORT packs these two (or four) to a byte; a numpy array of them holds one per byte.
