@@ -19,7 +19,9 @@ The contract, in the order a session uses it:
    environment's shared allocator for the EP's device memory). With a stream, the
    call may return as soon as the work is *enqueued* on it: the outputs are valid
    for work enqueued later on that stream. With ``stream=None`` the work must be
-   complete when the call returns.
+   complete when the call returns. A run with pre-bound outputs calls
+   ``compiled.run_into(inputs, outputs, stream)`` instead, so that an EP that can write
+   into the caller's tensors does (the default runs the node; the session then copies).
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ class CompiledNode(abc.ABC):
         self, inputs: Sequence[Tensor], stream: SyncStream | None
     ) -> Sequence[Tensor]:
         """Run (or enqueue on ``stream``) the group and return its outputs in meta-def order."""
+
+    async def run_into(
+        self,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[Tensor | None],
+        stream: SyncStream | None,
+    ) -> Sequence[Tensor]:
+        """Like calling the node, with tensors to write some outputs into (``outputs``
+        follows ``meta_def.outputs``; None where the EP allocates). An EP that can write
+        into them returns those very tensors; the default runs the node and returns its
+        own outputs, which the session then copies into the given tensors."""
+        return await self(inputs, stream)
 
     def release(self) -> None:
         """Free what the compiled node holds; called when the session closes."""

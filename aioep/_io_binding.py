@@ -195,6 +195,9 @@ def place_bound_outputs(
             dst = env.empty(value.shape, value.dtype, target)
         else:
             dst = target
+            if value is dst:  # the EP wrote straight into it
+                results[name] = dst
+                continue
             if dst.shape != value.shape or dst.dtype != value.dtype:
                 raise InvalidArgument(
                     f"run_with_binding: output {name!r} came out with shape {value.shape} and "

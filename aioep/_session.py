@@ -260,11 +260,21 @@ class Session(AsyncResource):
         are always complete). Cancelling the call abandons the wait, never
         work already enqueued.
         """
+        return await self._run(inputs, stream, output_location, None)
+
+    async def _run(
+        self,
+        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        stream: SyncStream | None,
+        output_location: str,
+        into: Mapping[str, Tensor] | None,
+    ) -> dict[str, Any]:
+        """A run counted as in flight (``aclose`` waits for it)."""
         if self._state is not _State.OPEN:
             raise ClosedError(f"{self!r} is closed")
         self._active += 1
         try:
-            return await self._runner.run(inputs, stream, output_location)
+            return await self._runner.run(inputs, stream, output_location, into)
         finally:
             self._active -= 1
             if self._active == 0 and self._idle is not None:
@@ -293,18 +303,22 @@ class Session(AsyncResource):
     ) -> dict[str, Any]:
         """Run the model on ``binding``'s inputs and put each bound output where it is bound.
 
-        An output bound to a tensor is written into it; one bound to a memory info is put
-        in that memory; unbound outputs stay where the producing EP put them. Returns the
-        outputs (also kept as ``binding.get_outputs()``). ``stream`` works as in
-        :meth:`run`: with one, the copies into bound outputs are enqueued on it too.
+        An output bound to a tensor is written into it (by the EP itself where it can, see
+        :meth:`CompiledNode.run_into <aioep.CompiledNode.run_into>`, else by a copy); one
+        bound to a memory info is put in that memory; unbound outputs stay where the
+        producing EP put them. Returns the outputs (also kept as ``binding.get_outputs()``).
+        ``stream`` works as in :meth:`run`: with one, the copies into bound outputs are
+        enqueued on it too.
         """
         if not isinstance(binding, IOBinding) or getattr(binding, "_session", None) is not self:
             raise InvalidArgument(
                 f"run_with_binding: {binding!r} is not an IOBinding of this session "
                 "(make one with session.io_binding())"
             )
-        outputs = await self.run(binding._run_inputs(), stream)
-        results, srcs, dsts = place_bound_outputs(self._env, outputs, binding._bound_outputs())
+        bound = binding._bound_outputs()
+        into = {name: t for name, t in bound.items() if isinstance(t, Tensor)}
+        outputs = await self._run(binding._run_inputs(), stream, "device", into)
+        results, srcs, dsts = place_bound_outputs(self._env, outputs, bound)
         if srcs:
             future = self._env.copy_tensors(srcs, dsts, stream)
             if stream is None:

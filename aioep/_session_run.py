@@ -69,8 +69,10 @@ class Runner:
         inputs: Mapping[str, Tensor | npt.ArrayLike],
         stream: SyncStream | None,
         output_location: str,
+        into: Mapping[str, Tensor] | None = None,
     ) -> dict[str, Any]:
-        """One run of the plan; see :meth:`Session.run <aioep.Session.run>`."""
+        """One run of the plan; see :meth:`Session.run <aioep.Session.run>`. ``into``: graph
+        outputs the producing EP may write straight into (pre-bound outputs)."""
         if output_location not in _LOCATIONS:
             raise InvalidArgument(
                 f"run: output_location must be 'device' or 'host', got {output_location!r}"
@@ -83,7 +85,7 @@ class Runner:
                 step = plan.direct
                 results = await self.workers.call(run_ort, step.ort_session, feeds)
                 return {name: from_ort(value) for name, value in zip(step.ort_outputs, results)}
-        run = _Run(self, bind_inputs(plan.input_specs, inputs, user_ready, stream), streams)
+        run = _Run(self, bind_inputs(plan.input_specs, inputs, user_ready, stream), streams, into)
         try:
             return await run.execute(stream, output_location)
         except BaseException:
@@ -148,16 +150,21 @@ class _Run:
     """The state of one run: the values made so far, their copies in other memories, and
     the stream each EP's work goes on."""
 
-    __slots__ = ("placed", "runner", "streams", "tails", "values")
+    __slots__ = ("into", "placed", "runner", "streams", "tails", "values")
 
     def __init__(
-        self, runner: Runner, values: dict[str, RunValue], streams: Mapping[str, SyncStream]
+        self,
+        runner: Runner,
+        values: dict[str, RunValue],
+        streams: Mapping[str, SyncStream],
+        into: Mapping[str, Tensor] | None = None,
     ) -> None:
         self.runner = runner
         self.values = values
         self.placed: dict[tuple[str, MemoryDevice], RunValue] = {}
         self.streams = streams
         self.tails: dict[SyncStream, Notification] = {}
+        self.into = into or {}
 
     async def execute(self, user_stream: SyncStream | None, output_location: str) -> dict[str, Any]:
         """Run every step, then hand the outputs over (see ``Session.run``)."""
@@ -188,8 +195,16 @@ class _Run:
         part = step.partition
         assert part.ep is not None
         assert step.compiled is not None
+        device = step.memory.device
+        dests = [
+            t if t is not None and t.device == device else None
+            for t in (self.into.get(n) for n in part.meta_def.outputs)
+        ]
         try:
-            outs = await step.compiled(args, target)
+            if any(d is not None for d in dests):
+                outs = await step.compiled.run_into(args, dests, target)
+            else:
+                outs = await step.compiled(args, target)
         except EpError:
             raise
         except Exception as exc:

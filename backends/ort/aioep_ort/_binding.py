@@ -123,9 +123,18 @@ class DeviceIO:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return Tensor(self._io_allocator().alloc(nbytes), shape, dtype)
 
-    def bind_output(self, binding: Any, name: str) -> None:
-        """Bind output ``name`` to the EP's device: ORT allocates it there."""
-        binding._iobinding.bind_output(name, self._device)
+    def bind_output(self, binding: Any, name: str, into: Tensor | None = None) -> bool:
+        """Bind output ``name`` to ``into`` (ORT writes the output there; True) where one
+        OrtValue can hold it and its dtype is numpy's own, else to the EP's device (ORT
+        allocates it there; False)."""
+        ptr = None
+        if into is not None and into.dtype.type.__module__ == "numpy":
+            ptr = self._bindable_address(into)
+        if into is None or ptr is None:
+            binding._iobinding.bind_output(name, self._device)
+            return False
+        binding._iobinding.bind_output(name, self._device, into.dtype, list(into.shape), ptr)
+        return True
 
     def adopt(self, value: Any) -> Tensor:
         """An aioep tensor over ``value`` (an OrtValue ORT allocated on the EP's device)."""

@@ -110,6 +110,13 @@ class _OrtGroup(CompiledNode):
         self._device_lock = registrations[0].device_lock if registrations else threading.RLock()
         order = [o.name for o in session.get_outputs()]
         self._positions = [order.index(name) for name in meta.outputs]
+        # Outputs of a fixed shape: only those are bound to a caller's tensor (a dynamic
+        # one that came out another size would fail inside ORT, not with aioep's message).
+        self._static = {
+            name: tuple(shape)
+            for name, shape in zip(order, (o.shape for o in session.get_outputs()))
+            if all(isinstance(d, int) for d in shape)
+        }
 
     def _run(self, feeds: dict[str, Any]) -> list[Any]:
         try:
@@ -118,12 +125,17 @@ class _OrtGroup(CompiledNode):
         except Exception as exc:
             raise translate(exc, f"{self._ep_name} running {self._meta.name!r}") from exc
 
-    def _run_bound(self, inputs: dict[str, Tensor], io: DeviceIO) -> list[Tensor]:
-        values, error = self._run_with_iobinding(inputs, io)
+    def _run_bound(
+        self, inputs: dict[str, Tensor], io: DeviceIO, into: Sequence[Tensor | None]
+    ) -> list[Tensor]:
+        values, written, error = self._run_with_iobinding(inputs, io, into)
         outputs: list[Tensor] = []
         if error is None:
             try:
-                outputs.extend(io.adopt(v) for v in values)
+                outputs.extend(
+                    t if w and t is not None else io.adopt(v)
+                    for v, w, t in zip(values, written, into)
+                )
             except Exception as exc:  # an output aioep cannot hold
                 error = exc
                 outputs.clear()
@@ -135,24 +147,25 @@ class _OrtGroup(CompiledNode):
         return outputs
 
     def _run_with_iobinding(
-        self, inputs: dict[str, Tensor], io: DeviceIO
-    ) -> tuple[list[Any], BaseException | None]:
+        self, inputs: dict[str, Tensor], io: DeviceIO, into: Sequence[Tensor | None]
+    ) -> tuple[list[Any], list[bool], BaseException | None]:
         # ORT objects never outlive this call in a frame a traceback keeps: the session, the
         # binding and the host copies bound to it are dropped (under the device lock) before
         # any error is raised, so a kept exception cannot release them after the library is
         # unregistered.
         session = self._session
         if session is None:
-            return [], ClosedError(f"{self._ep_name}: {self._meta.name!r} was released")
+            return [], [], ClosedError(f"{self._ep_name}: {self._meta.name!r} was released")
         values: list[Any] = []
+        written: list[bool] = []
         keep: list[Any] = []  # host copies bound to the run
         error: BaseException | None = None
         with self._device_lock:
             binding = session.io_binding()
             try:
                 keep.extend(io.bind_input(binding, name, t) for name, t in inputs.items())
-                for name in self._meta.outputs:
-                    io.bind_output(binding, name)
+                for name, dest in zip(self._meta.outputs, into):
+                    written.append(io.bind_output(binding, name, dest))
                 session.run_with_iobinding(binding)
                 values = binding.get_outputs()
             except Exception as exc:
@@ -162,12 +175,26 @@ class _OrtGroup(CompiledNode):
             finally:
                 session = binding = None
                 keep.clear()
-        return values, error
+        return values, written, error
 
     async def __call__(self, inputs: Sequence[Tensor], stream: SyncStream | None) -> list[Tensor]:
+        return await self.run_into(inputs, [None] * len(self._meta.outputs), stream)
+
+    async def run_into(
+        self,
+        inputs: Sequence[Tensor],
+        outputs: Sequence[Tensor | None],
+        stream: SyncStream | None,
+    ) -> list[Tensor]:
+        """Run the group; with device I/O, outputs given a tensor of the model's fixed shape
+        are written straight into it by ORT."""
         if self._io is not None:
             bound = {n: t for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
-            return await anyio.to_thread.run_sync(self._run_bound, bound, self._io)
+            into = [
+                t if t is not None and self._static.get(n) == t.shape else None
+                for n, t in zip(self._meta.outputs, outputs)
+            ]
+            return await anyio.to_thread.run_sync(self._run_bound, bound, self._io, into)
         feeds = {n: t.numpy() for n, t in zip(self._meta.inputs, inputs) if n in self._feeds}
         results = await anyio.to_thread.run_sync(self._run, feeds)
         regs = self._registrations
