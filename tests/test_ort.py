@@ -52,9 +52,7 @@ def _webgpu_skip_reason() -> str | None:
     if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
         return "onnxruntime-ep-webgpu is not installed (pip install -e 'backends/ort[webgpu]')"
     # In a child: with no usable adapter the first device allocation aborts the process.
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120
-    )
+    proc = _run_child(_PROBE)
     if proc.returncode != 0:
         return (
             f"the WebGPU EP has no usable adapter (probe exit code {proc.returncode}); install "
@@ -650,9 +648,7 @@ print(sum(n == ov.get_ep_name() for n in names))
 def _openvino_skip_reason() -> str | None:
     if importlib.util.find_spec("onnxruntime_ep_openvino") is None:
         return "onnxruntime-ep-openvino is not installed (pip install -e 'backends/ort[openvino]')"
-    proc = subprocess.run(
-        [sys.executable, "-c", _OPENVINO_PROBE], capture_output=True, text=True, timeout=120
-    )
+    proc = _run_child(_OPENVINO_PROBE)
     if proc.returncode != 0:
         return f"the OpenVINO plugin library failed to load (exit code {proc.returncode})"
     if proc.stdout.strip() == "0":
@@ -738,7 +734,8 @@ def test_openvino_output_outliving_its_environment_survives(openvino_path: str) 
 
 
 # -- device-resident session I/O on a plugin EP (ORT's IOBinding underneath) -----------------
-def _add_model(n: int = 4) -> Any:
+def _add_model(n: int | str = 4) -> Any:
+    """y = x + x over float[n] (``n`` a name: a dimension the model leaves open)."""
     from onnx import TensorProto, helper
 
     vi = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [n]) for v in "xy"]
