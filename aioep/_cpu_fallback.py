@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import DeviceError, EpError, NotImplementedByEp
+from ._errors import DeviceError, EpError, import_optional
 from ._onnx_models import whole_model_source
 from ._ort_compat import ir_version_for_ort
 from ._session_values import contiguous
@@ -24,13 +24,7 @@ __all__ = ["from_ort", "load_parts", "load_whole", "run_ort", "to_ort", "use_who
 
 
 def _ort() -> Any:
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise NotImplementedByEp(
-            "the CPU fallback needs onnxruntime: pip install 'aioep[onnx]'"
-        ) from exc
-    return ort
+    return import_optional("onnxruntime", "the CPU fallback")
 
 
 def _session_options(opts: Mapping[str, Any]) -> Any:

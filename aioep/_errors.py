@@ -19,6 +19,8 @@ Backend and driver errors are translated at one boundary,
 from __future__ import annotations
 
 import enum
+import importlib
+from types import ModuleType
 
 __all__ = [
     "ClosedError",
@@ -29,6 +31,7 @@ __all__ = [
     "InvalidArgument",
     "NoSuchFile",
     "NotImplementedByEp",
+    "import_optional",
     "translate_backend_error",
 ]
 
@@ -116,3 +119,17 @@ def translate_backend_error(exc: BaseException, what: str) -> EpError:
     if isinstance(exc, EpError):
         return exc
     return DeviceError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+def import_optional(module: str, needed_for: str) -> ModuleType:
+    """Import ``module``, an optional dependency (installed by ``aioep[onnx]``).
+
+    Raises:
+        NotImplementedByEp: it is not installed; the message says what needs it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise NotImplementedByEp(
+            f"{needed_for} needs the {module!r} package: pip install 'aioep[onnx]'"
+        ) from exc

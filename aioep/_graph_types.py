@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument, NoSuchFile, NotImplementedByEp
+from ._errors import InvalidArgument, NoSuchFile, import_optional
 
 __all__ = ["Dim", "Initializer", "Node", "ValueInfo"]
 
@@ -21,13 +21,7 @@ Dim = int | str | None
 
 
 def _onnx() -> Any:
-    try:
-        import onnx
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise NotImplementedByEp(
-            "aioep sessions need the 'onnx' package: pip install 'aioep[onnx]'"
-        ) from exc
-    return onnx
+    return import_optional("onnx", "aioep sessions")
 
 
 @dataclass(frozen=True)

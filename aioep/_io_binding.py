@@ -34,6 +34,7 @@ class IOBinding:
 
     def __init__(
         self,
+        session: object,
         env: Environment,
         inputs: tuple[InputSpec, ...],
         outputs: Mapping[str, ValueInfo | None],
@@ -46,7 +47,7 @@ class IOBinding:
         self._inputs: dict[str, Tensor] = {}
         self._outputs: dict[str, Tensor | MemoryInfo] = {}
         self._results: dict[str, Any] = {}
-        self._session: object = None  # the session that made it (set by Session.io_binding)
+        self._session = session  # only runs of this session take the binding
 
     # -- inputs ----------------------------------------------------------------------------
     def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:

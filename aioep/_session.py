@@ -289,14 +289,13 @@ class Session(AsyncResource):
             for name in step.inputs:
                 readers.setdefault(name, []).append(step.memory.device)
         outputs = {name: self.graph.value_info(name) for name in self.output_names}
-        binding = IOBinding(
+        return IOBinding(
+            self,
             self._env,
             self._plan.input_specs,
             outputs,
             {name: tuple(devices) for name, devices in readers.items()},
         )
-        binding._session = self
-        return binding
 
     async def run_with_binding(
         self, binding: IOBinding, stream: SyncStream | None = None
@@ -310,7 +309,7 @@ class Session(AsyncResource):
         ``stream`` works as in :meth:`run`: with one, the copies into bound outputs are
         enqueued on it too.
         """
-        if not isinstance(binding, IOBinding) or getattr(binding, "_session", None) is not self:
+        if not isinstance(binding, IOBinding) or binding._session is not self:
             raise InvalidArgument(
                 f"run_with_binding: {binding!r} is not an IOBinding of this session "
                 "(make one with session.io_binding())"
