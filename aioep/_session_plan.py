@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,7 @@ class PlanStep:
     memory: MemoryInfo
     stream: SyncStream | None
     inputs: tuple[str, ...]
-    constants: Mapping[str, Tensor] = MappingProxyType({})
+    constants: Mapping[str, Tensor] = field(default_factory=dict)
     compiled: CompiledNode | None = None
     ort_session: Any = None
     ort_outputs: tuple[str, ...] = ()
