@@ -69,9 +69,40 @@ def test_lowest_constraints_pin_every_declared_lower_bound() -> None:
     assert set(pins) == set(bounds), f"pinned but never declared: {set(pins) - set(bounds)}"
 
 
-def test_ci_runs_the_oldest_and_newest_python_and_the_lowest_versions() -> None:
+def _claimed_pythons() -> list[str]:
+    """The minor versions pyproject.toml's classifiers claim, e.g. ``["3.10", "3.11"]``."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.findall(r'"Programming Language :: Python :: (3\.\d+)"', text)
+
+
+def test_ci_runs_every_claimed_python_and_the_lowest_versions() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "find_python 3.10" in ci
-    assert "find_python 3.13" in ci
+    claimed = _claimed_pythons()
+    assert claimed == ["3.10", "3.11", "3.12", "3.13"]
+    matrix = re.search(r"^SUPPORTED=\(([^)]*)\)", ci, flags=re.M)
+    assert matrix is not None, ".ci/run lost its SUPPORTED=(...) matrix"
+    assert matrix.group(1).split() == claimed
+    # every claimed version runs the README's test command (the oldest one explicitly, the
+    # others in the loop after the WebGPU driver)
+    assert "run_readme_tests 3.10" in ci
+    assert re.search(r"for v in 3\.11 3\.12 3\.13; do\s+run_readme_tests", ci)
     assert "-c .ci/lowest-constraints.txt" in ci
     assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_ci_runs_the_readme_demo_command_verbatim_and_checks_its_output() -> None:
+    demo = _readme_commands()[0]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert demo in [line.strip() for line in ci.splitlines()]
+    # the check reads the demo's own closing line, which the quickstart prints
+    assert "round trips are bit-exact" in ci
+    assert "round trips are bit-exact" in (ROOT / "examples" / "quickstart.py").read_text()
+
+
+def test_readme_names_the_pythons_it_was_tested_on() -> None:
+    text = (ROOT / "README.md").read_text()
+    claimed = _claimed_pythons()
+    assert f"Python {claimed[0]}–{claimed[-1]}" in text
+    tested = re.search(r"CI tests it on Python ([0-9., and]+)", text)
+    assert tested is not None, "the README no longer says which Pythons CI tests"
+    assert re.findall(r"3\.\d+", tested.group(1)) == claimed
