@@ -12,6 +12,7 @@ from ._tensor import Buffer
 from ._types import MemoryInfo
 
 if TYPE_CHECKING:
+    from ._ownership import Origin
     from ._stream import SyncStream
 
 __all__ = ["Allocator"]
@@ -35,6 +36,9 @@ class Allocator(abc.ABC):
         self._closed = False
         self._retired = False
         self._close_callbacks: list[Callable[[], None]] = []
+        # The environment and library that made this allocator (set by the environment);
+        # None: a user's own allocator, whose buffers are producer-owned (see _ownership).
+        self._origin: Origin | None = None
 
     # -- what a backend implements ---------------------------------------------------------
     @abc.abstractmethod
@@ -95,6 +99,11 @@ class Allocator(abc.ABC):
 
     def free(self, buffer: Buffer) -> None:
         """Free ``buffer`` now (it must come from this allocator)."""
+        if not isinstance(buffer, Buffer):
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: free(buffer) takes an aioep.Buffer, "
+                f"got {type(buffer).__name__}"
+            )
         if buffer.allocator is not self:
             raise InvalidArgument(
                 f"allocator {self.memory_info.name!r} did not allocate {buffer!r}"

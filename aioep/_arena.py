@@ -117,6 +117,7 @@ class ArenaAllocator(Allocator):
         self._lock = lock = threading.RLock()  # type: ignore[assignment]  # see _busy
         self.base = base
         self.config = config
+        self._origin = base._origin  # an arena's memory belongs to whoever owns its base
         self._limit = config.limit
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
         self._core = core = BfcCore(unit, config.max_dead_bytes_per_chunk)

@@ -15,6 +15,7 @@ from ._errors import InvalidArgument, translate_backend_error
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
 from ._notification import Notification
+from ._ownership import Scope
 from ._routes import RouteCache
 from ._stream import SyncStream
 from ._stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
@@ -37,11 +38,23 @@ class CopyDispatcher:
     them on every call.
     """
 
-    __slots__ = ("_executor", "_inflight", "_libraries", "_lock", "_routes", "_transfers")
+    __slots__ = (
+        "_executor",
+        "_inflight",
+        "_libraries",
+        "_lock",
+        "_routes",
+        "_scope",
+        "_transfers",
+    )
 
     def __init__(
-        self, transfers: list[tuple[str, DataTransfer]], libraries: Mapping[str, Library]
+        self,
+        transfers: list[tuple[str, DataTransfer]],
+        libraries: Mapping[str, Library],
+        scope: Scope | None = None,
     ) -> None:
+        self._scope = scope  # the environment's: device tensors of others are refused
         self._transfers = transfers
         self._libraries = libraries
         self._lock = threading.Lock()
@@ -74,6 +87,7 @@ class CopyDispatcher:
                 allow_reshape=allow_reshape,
                 routes=self._routes,
                 defer_packing=True,
+                scope=self._scope,
             )
             return self._copy_unstreamed(plan)
         if not isinstance(stream, SyncStream):
@@ -93,6 +107,7 @@ class CopyDispatcher:
             allow_reshape=allow_reshape,
             routes=stream._routes,
             defer_packing=in_order_worker,
+            scope=self._scope,
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))

@@ -12,6 +12,7 @@ import contextvars
 import enum
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from ._errors import ClosedError, EpError, InvalidArgument
 from ._external_data import ExternalDataLoader, load_initializers
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, HostFactory
+from ._ownership import Scope
 from ._registry import BACKEND_GROUP, LibraryRegistry
 from ._shared_allocators import SharedAllocators
 from ._stream import SyncStream
@@ -39,6 +41,10 @@ __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"
 _current: contextvars.ContextVar[Environment | None] = contextvars.ContextVar(
     "aioep_current_environment", default=None
 )
+# The environments open in this process, for code that runs outside the context that
+# entered one (request handlers of a server whose lifespan opened it).
+_open: weakref.WeakSet[Environment] = weakref.WeakSet()
+_open_lock = threading.Lock()
 
 
 class _State(enum.Enum):
@@ -59,18 +65,56 @@ def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
 
 
 def current_environment() -> Environment:
-    """The environment entered by the nearest enclosing ``async with Environment()``.
+    """The environment this code runs in.
+
+    The one entered by the nearest enclosing ``async with Environment()`` in this
+    context; where there is none (a request task of a server whose lifespan holds
+    the environment: such tasks do not inherit the context), the one environment
+    open in the process.
 
     Raises:
-        EpError: no environment is open in this context.
+        EpError: no environment is open, or several are and none was entered in this
+            context (the message says which).
     """
     env = _current.get()
-    if env is None or env._state is not _State.OPEN:
+    if env is not None and env._state is _State.OPEN:
+        return env
+    with _open_lock:
+        candidates = [e for e in _open if e._state is _State.OPEN]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
         raise EpError(
-            "no aioep Environment is open in this context; wrap the code in "
-            "'async with aioep.Environment() as env:'"
+            "no aioep Environment is open; wrap the code in "
+            "'async with aioep.Environment() as env:' (or open one in the app's lifespan)"
         )
-    return env
+    raise EpError(
+        f"{len(candidates)} aioep Environments are open and none was entered in this context, "
+        "so which one to use is ambiguous; call env.copy_tensors(...) on the one you mean"
+    )
+
+
+def _environment_for(src: Sequence[Any], dst: Sequence[Any]) -> Environment:
+    """The environment of a module-level ``copy_tensors``: the owner of the first tensor
+    in device memory an environment allocated; else :func:`current_environment`."""
+    for seq in (src, dst):
+        if type(seq) not in (list, tuple):
+            continue
+        for t in seq:
+            if type(t) is not Tensor:
+                continue
+            allocator = t.buffer.allocator
+            origin = None if allocator is None else allocator._origin
+            if origin is None or t.buffer.memory_info.device.is_host_accessible:
+                continue
+            env = origin.scope.env
+            if isinstance(env, Environment):
+                if env._state is not _State.OPEN:
+                    raise ClosedError(
+                        f"copy_tensors: {t!r} is device memory of {origin}, which is closed"
+                    )
+                return env
+    return current_environment()
 
 
 def _leave(env: Environment) -> None:
@@ -91,10 +135,19 @@ def copy_tensors(
     *,
     allow_reshape: bool = False,
 ) -> CopyFuture:
-    """Copy each ``src[i]`` into ``dst[i]`` in the current environment; see
-    :meth:`Environment.copy_tensors`."""
-    # current_environment() checked that it is open: straight to its dispatcher.
-    return current_environment()._copies.copy(src, dst, stream, allow_reshape)
+    """Copy each ``src[i]`` into ``dst[i]`` in the environment that owns the tensors; see
+    :meth:`Environment.copy_tensors`.
+
+    The environment is the one whose allocator made the first device tensor of the
+    batch (or, with ``stream``, the stream's); where every tensor is host memory or
+    imported, :func:`current_environment`.
+    """
+    if stream is not None and isinstance(stream, SyncStream):
+        dev_env = stream.ep_device._env
+        if isinstance(dev_env, Environment) and dev_env._state is _State.OPEN:
+            return dev_env._copies.copy(src, dst, stream, allow_reshape)
+    # _environment_for checked that it is open: straight to its dispatcher.
+    return _environment_for(src, dst)._copies.copy(src, dst, stream, allow_reshape)
 
 
 class Environment(AsyncResource):
@@ -131,9 +184,12 @@ class Environment(AsyncResource):
         self._token: contextvars.Token[Environment | None] | None = None
         self.load_errors: dict[str, str] = {}
         """Backend name -> why it could not start or offers no device."""
-        self._allocators = SharedAllocators(self._lock)
+        self._scope = Scope(self)
+        self._allocators = SharedAllocators(self._lock, self._scope)
         self._registry = LibraryRegistry(self, self._allocators, self.load_errors, self._lock)
-        self._copies = CopyDispatcher(self._registry.transfers, self._registry.libraries)
+        self._copies = CopyDispatcher(
+            self._registry.transfers, self._registry.libraries, self._scope
+        )
         # The registry's state and lookups, for sessions, loaders and tests.
         self._libraries = self._registry.libraries
         self._transfers = self._registry.transfers
@@ -166,6 +222,8 @@ class Environment(AsyncResource):
     def _start(self) -> None:
         self._check_unopened()
         self._state = _State.OPEN
+        with _open_lock:
+            _open.add(self)
         try:
             self.register_library(HOST_EP_NAME, HostFactory(self._backend_options.get("host")))
             if self._autoload or self._backends:
@@ -220,6 +278,9 @@ class Environment(AsyncResource):
     def _release_everything(self) -> None:
         # Copies are awaited by now: streams, then the copy executor, then the libraries.
         self._state = _State.CLOSING
+        self._scope.closed = True
+        with _open_lock:
+            _open.discard(self)
         self._registry.close_streams()
         self._copies.shutdown()
         self._registry.close_all()
