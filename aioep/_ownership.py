@@ -99,7 +99,11 @@ def check_owner(tensor: Tensor, scope: Scope, role: str) -> None:
     if allocator is None:
         return
     origin = allocator._origin
-    if origin is None or origin.scope is scope or tensor.buffer.memory_info.device.is_host_accessible:
+    if (
+        origin is None
+        or origin.scope is scope
+        or tensor.buffer.memory_info.device.is_host_accessible
+    ):
         return
     if origin.scope.closed:
         raise ClosedError(

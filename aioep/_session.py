@@ -316,6 +316,11 @@ class Session(AsyncResource):
             )
         bound = binding._bound_outputs()
         into = {name: t for name, t in bound.items() if isinstance(t, Tensor)}
+        for name, t in into.items():
+            if t.buffer.freed:  # freed after it was bound: a run must not write into it
+                raise InvalidArgument(
+                    f"run_with_binding: output {name!r} is bound to {t!r}, which was freed"
+                )
         outputs = await self._run(binding._run_inputs(), stream, "device", into)
         results, srcs, dsts = place_bound_outputs(self._env, outputs, bound)
         if srcs:

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from ._errors import InvalidArgument
 from ._graph_types import ValueInfo
+from ._ownership import Scope, check_owner
 from ._tensor import Tensor
 from ._types import DeviceType, MemoryDevice
 
@@ -102,12 +103,15 @@ def bind_inputs(
     inputs: Mapping[str, Tensor | npt.ArrayLike],
     ready: Notification | None,
     stream: SyncStream | None,
+    scope: Scope | None = None,
 ) -> dict[str, RunValue]:
     """The model inputs as run values, checked against the graph's inputs; tensors given
     with a caller's ``stream`` are ready once ``ready`` (recorded on it) is.
 
     Raises:
-        InvalidArgument: an input is missing or unknown, or has the wrong dtype or shape.
+        InvalidArgument: an input is missing or unknown, has the wrong dtype or shape, was
+            freed, or is device memory of another environment (``scope`` is the session's).
+        ClosedError: an input is device memory of a closed environment.
     """
     if not isinstance(inputs, Mapping):
         raise InvalidArgument(
@@ -130,6 +134,10 @@ def bind_inputs(
             continue
         if isinstance(given, Tensor):
             tensor = given
+            if tensor.buffer.freed:
+                raise InvalidArgument(f"run: input {name!r}: {tensor.buffer!r} was freed")
+            if scope is not None and tensor.buffer.allocator is not None:
+                check_owner(tensor, scope, f"run: input {name!r}")
             value = RunValue(tensor, ready, stream if ready is not None else None)
         else:
             tensor = _host_tensor(given, want)
@@ -177,6 +185,8 @@ def _host_input(name: str, given: Any, info: ValueInfo) -> Any:
 
 def _host_data(name: str, value: Any) -> Any:
     if isinstance(value, Tensor):
+        if value.buffer.freed:
+            raise InvalidArgument(f"run: input {name!r}: {value.buffer!r} was freed")
         if not value.is_host_accessible:
             raise InvalidArgument(
                 f"run: input {name!r}: {value!r} is in device memory; sequence and optional "

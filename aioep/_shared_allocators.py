@@ -79,7 +79,9 @@ class SharedAllocators:
             if lib.factory.name == HOST_EP_NAME and self.host is None:
                 self.host = make_allocator(lib, info, None, self.scope)
             elif info.device not in self._shared:
-                self._shared[info.device] = _Shared(make_allocator(lib, info, None, self.scope), lib.name)
+                self._shared[info.device] = _Shared(
+                    make_allocator(lib, info, None, self.scope), lib.name
+                )
 
     def drop_library(self, name: str) -> None:
         """Forget the shared allocators owned by library ``name`` (the library closes them)."""

@@ -32,7 +32,9 @@ def describe(value: object) -> str:
     return f"{type(value).__name__} {text}"
 
 
-def check_type(where: str, name: str, value: object, types: type | tuple[type, ...], accepts: str) -> None:
+def check_type(
+    where: str, name: str, value: object, types: type | tuple[type, ...], accepts: str
+) -> None:
     """Raise unless ``isinstance(value, types)``."""
     if not isinstance(value, types):
         raise InvalidArgument(f"{where}: {name} must be {accepts}, got {describe(value)}")
@@ -48,7 +50,9 @@ def check_int(
         )
     out = int(value)
     if not minimum <= out <= maximum:
-        raise InvalidArgument(f"{where}: {name} must be an int in [{minimum}, {maximum}], got {out}")
+        raise InvalidArgument(
+            f"{where}: {name} must be an int in [{minimum}, {maximum}], got {out}"
+        )
     return out
 
 
@@ -84,7 +88,9 @@ def check_options(where: str, name: str, options: object) -> dict[str, Any]:
 def check_path(where: str, name: str, value: object) -> str:
     """A filesystem path argument (str or os.PathLike) as a str."""
     if not isinstance(value, (str, os.PathLike)):
-        raise InvalidArgument(f"{where}: {name} must be a str or os.PathLike, got {describe(value)}")
+        raise InvalidArgument(
+            f"{where}: {name} must be a str or os.PathLike, got {describe(value)}"
+        )
     path = os.fspath(value)
     if not isinstance(path, str):
         raise InvalidArgument(f"{where}: {name} must be a text path, got {describe(path)}")
