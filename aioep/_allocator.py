@@ -11,9 +11,10 @@ from ._errors import ClosedError, InvalidArgument
 from ._tensor import Buffer
 from ._types import MemoryInfo
 
+from ._stream import SyncStream
+
 if TYPE_CHECKING:
     from ._ownership import Origin
-    from ._stream import SyncStream
 
 __all__ = ["Allocator"]
 
@@ -62,6 +63,11 @@ class Allocator(abc.ABC):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(
                 f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+            )
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: stream must be an aioep.SyncStream or "
+                f"None, got {type(stream).__name__} {stream!r}"
             )
         if self._closed or self._retired:
             raise ClosedError(f"allocator {self.memory_info.name!r} is closed")

@@ -27,11 +27,9 @@ from ._arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from ._arena_regions import RegionReturns, free_handles
 from ._bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
 from ._errors import ClosedError, InUseError, InvalidArgument
+from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import AllocatorType
-
-if TYPE_CHECKING:
-    from ._stream import SyncStream
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 
@@ -150,6 +148,11 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
+                f"got {type(stream).__name__} {stream!r}"
+            )
         if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
             if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
                 raise InvalidArgument(
@@ -191,6 +194,11 @@ class ArenaAllocator(Allocator):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(
                 f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+            )
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
+                f"got {type(stream).__name__} {stream!r}"
             )
         if self._closed or self._retired:
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")

@@ -13,7 +13,7 @@ import enum
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -29,6 +29,7 @@ from ._external_data import ExternalDataLoader, load_initializers
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, HostFactory
 from ._ownership import Scope
+from ._validate import check_options, check_type, describe
 from ._registry import BACKEND_GROUP, LibraryRegistry
 from ._shared_allocators import SharedAllocators
 from ._stream import SyncStream
@@ -172,13 +173,23 @@ class Environment(AsyncResource):
         backends: Sequence[str] | None = None,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        if isinstance(backends, str):
+        check_type("Environment", "autoload", autoload, bool, "a bool")
+        if backends is not None and (
+            isinstance(backends, (str, bytes))
+            or not isinstance(backends, Iterable)
+            or not all(isinstance(b, str) for b in backends)
+        ):
             raise InvalidArgument(
-                f"Environment(backends=...) takes a list of names, got {backends!r}"
+                f"Environment: backends must be a list of backend names (str), got "
+                f"{describe(backends)}"
             )
+        outer = check_options("Environment", "backend_options", backend_options)
         self._autoload = autoload
         self._backends = None if backends is None else list(backends)
-        self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
+        self._backend_options = {
+            k: check_options("Environment", f"backend_options[{k!r}]", v)
+            for k, v in outer.items()
+        }
         self._state = _State.UNOPENED
         self._lock = threading.RLock()
         self._token: contextvars.Token[Environment | None] | None = None
@@ -327,6 +338,10 @@ class Environment(AsyncResource):
         self, device_type: DeviceType | None = None, ep_name: str | None = None
     ) -> list[EpDevice]:
         """EP devices in registration order, optionally filtered by type and EP name."""
+        if device_type is not None:
+            check_type("ep_devices", "device_type", device_type, DeviceType, "a DeviceType or None")
+        if ep_name is not None:
+            check_type("ep_devices", "ep_name", ep_name, str, "a str or None")
         return self._registry.ep_devices(device_type, ep_name)
 
     @property
@@ -357,9 +372,10 @@ class Environment(AsyncResource):
         its live buffers and closes after the last one is freed.
         """
         self._check_open()
+        opts = check_options("create_shared_allocator", "options", options)
         with self._lock:
             lib = self._registry.library_of(ep_device)
-            return self._allocators.create(lib, ep_device, memory_type, allocator_type, options)
+            return self._allocators.create(lib, ep_device, memory_type, allocator_type, opts)
 
     def release_shared_allocator(
         self, ep_device: EpDevice, memory_type: MemoryType = MemoryType.DEFAULT
@@ -405,7 +421,8 @@ class Environment(AsyncResource):
             NotImplementedByEp: the device's factory does not support streams.
         """
         self._check_open()
-        return self._registry.create_stream(ep_device, options)
+        opts = check_options("create_sync_stream", "options", options)
+        return self._registry.create_stream(ep_device, opts or None)
 
     def copy_tensors(
         self,

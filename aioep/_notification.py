@@ -29,6 +29,14 @@ class Notification:
     __slots__ = ("__weakref__", "_impl", "_stream", "_sync_table")
 
     def __init__(self, impl: NotificationImpl, stream: SyncStream | None = None) -> None:
+        if not isinstance(impl, NotificationImpl):
+            raise InvalidArgument(
+                f"Notification: impl must be an aioep.abc.NotificationImpl, got {describe(impl)}"
+            )
+        if stream is not None and not isinstance(getattr(stream, "_impl", None), StreamImpl):
+            raise InvalidArgument(
+                f"Notification: stream must be an aioep.SyncStream or None, got {describe(stream)}"
+            )
         self._impl = impl
         self._stream = stream
         # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).

@@ -111,6 +111,7 @@ def check_owner(tensor: Tensor, scope: Scope, role: str) -> None:
             "cannot be used any more"
         )
     raise InvalidArgument(
-        f"{role}: {tensor!r} is device memory of {origin}, not of {scope.label}; use it with "
-        "the environment that allocated it (or copy it to host memory there first)"
+        f"{role}: {tensor!r} is device memory of another environment ({origin}), not of "
+        f"{scope.label}; use it with the environment that allocated it (or copy it to host "
+        "memory there first)"
     )

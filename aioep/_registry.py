@@ -453,6 +453,10 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
 
 
 def _factory_for_path(name: str, path: Path, options: Mapping[str, Any] | None) -> EpFactory:
+    if path.is_dir():
+        raise NoSuchFile(
+            f"register_library({name!r}): {str(path)!r} is a directory, not a plugin library file"
+        )
     if not path.is_file():
         raise NoSuchFile(f"register_library({name!r}): plugin library {str(path)!r} does not exist")
     eps = [e for e in _backend_entry_points() if e.name == PATH_BACKEND]

@@ -29,6 +29,7 @@ from ._errors import ClosedError, EpError, InvalidArgument
 from ._graph import GraphView
 from ._host import HOST_EP_NAME
 from ._io_binding import IOBinding, place_bound_outputs
+from ._validate import check_int, check_options
 from ._partition import CPU_EP_NAME
 from ._progress import wants_bar
 from ._session_plan import SessionPlan
@@ -102,12 +103,15 @@ def _checked_options(
     options: Mapping[str, Any] | None,
 ) -> tuple[dict[str, Any], Mapping[str, Any]]:
     """The session options, and the ``ep_options`` among them."""
-    opts = dict(options or {})
+    opts = check_options("create_session", "options", options)
     unknown = sorted(set(opts) - set(_OPTION_KEYS))
     if unknown:
         raise InvalidArgument(
             f"create_session: unknown option(s) {unknown}; known: {list(_OPTION_KEYS)}"
         )
+    for key in ("intra_op_num_threads", "inter_op_num_threads"):
+        if key in opts:
+            opts[key] = check_int("create_session", key, opts[key], maximum=1 << 16)
     opts["progress"] = wants_bar(opts.get("progress"), "create_session")
     ep_options = opts.get("ep_options") or {}
     if not isinstance(ep_options, Mapping):
