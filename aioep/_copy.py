@@ -72,7 +72,9 @@ class CopyDispatcher:
         """Validate the batch, enqueue or run it, and return its future (see
         :meth:`Environment.copy_tensors`)."""
         if allow_reshape is not False and allow_reshape is not True:
-            raise InvalidArgument(f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}")
+            raise InvalidArgument(
+                f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
+            )
         if stream is None and not allow_reshape:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:

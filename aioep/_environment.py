@@ -180,15 +180,13 @@ class Environment(AsyncResource):
             or not all(isinstance(b, str) for b in backends)
         ):
             raise InvalidArgument(
-                f"Environment: backends must be a list of backend names (str), got "
-                f"{describe(backends)}"
+                f"Environment: backends must be a list of names (str), got {describe(backends)}"
             )
         outer = check_options("Environment", "backend_options", backend_options)
         self._autoload = autoload
         self._backends = None if backends is None else list(backends)
         self._backend_options = {
-            k: check_options("Environment", f"backend_options[{k!r}]", v)
-            for k, v in outer.items()
+            k: check_options("Environment", f"backend_options[{k!r}]", v) for k, v in outer.items()
         }
         self._state = _State.UNOPENED
         self._lock = threading.RLock()

@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("aioep_sim")
 
 APP_SOURCE = textwrap.dedent(
-    '''
+    """
     from contextlib import asynccontextmanager
 
     import numpy as np
@@ -53,7 +53,7 @@ APP_SOURCE = textwrap.dedent(
         out = np.empty(len(values), np.float32)
         await aioep.copy_tensors([device], [out])
         return {"values": out.tolist(), "device": str(device.device)}
-    '''
+    """
 )
 
 
