@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._errors import ClosedError, InvalidArgument
+from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import MemoryInfo
-
-from ._stream import SyncStream
 
 if TYPE_CHECKING:
     from ._ownership import Origin

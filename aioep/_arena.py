@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING
 
 from ._allocator import Allocator
 from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy

@@ -29,13 +29,13 @@ from ._external_data import ExternalDataLoader, load_initializers
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, HostFactory
 from ._ownership import Scope
-from ._validate import check_options, check_type, describe
 from ._registry import BACKEND_GROUP, LibraryRegistry
 from ._shared_allocators import SharedAllocators
 from ._stream import SyncStream
 from ._tensor import Tensor
 from ._transfer import TensorLike
 from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
+from ._validate import check_options, check_type, describe
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 

@@ -29,7 +29,6 @@ from ._errors import ClosedError, EpError, InvalidArgument
 from ._graph import GraphView
 from ._host import HOST_EP_NAME
 from ._io_binding import IOBinding, place_bound_outputs
-from ._validate import check_int, check_options
 from ._partition import CPU_EP_NAME
 from ._progress import wants_bar
 from ._session_plan import SessionPlan
@@ -38,6 +37,7 @@ from ._session_workers import Workers
 from ._stream import SyncStream
 from ._tensor import Tensor
 from ._types import MemoryDevice
+from ._validate import check_int, check_options
 
 if TYPE_CHECKING:
     from ._environment import Environment

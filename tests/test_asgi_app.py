@@ -131,8 +131,18 @@ def test_fastapi_handlers_copy_under_uvicorn(tmp_path: Path) -> None:
     (tmp_path / "aioep_asgi_app.py").write_text(APP_SOURCE)
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(tmp_path), "--port", str(port)]
-        + ["--log-level", "warning", "aioep_asgi_app:app"],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "aioep_asgi_app:app",
+        ],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

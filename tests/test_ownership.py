@@ -85,7 +85,8 @@ async def test_two_sim_registrations_never_alias() -> None:
         d1 = _sim(env, "sim")
         d2 = _sim(env, "sim2")
         m1, m2 = d1.memory_info(MemoryType.DEFAULT), d2.memory_info(MemoryType.DEFAULT)
-        assert m1 is not None and m2 is not None
+        assert m1 is not None
+        assert m2 is not None
         assert m1.device != m2.device
         assert env.get_shared_allocator(m1) is not env.get_shared_allocator(m2)
         t1 = await _device_tensor(env, d1, 1.0)
