@@ -146,7 +146,11 @@ class IOBinding:
 
     # -- runs ------------------------------------------------------------------------------
     def _run_inputs(self) -> dict[str, Tensor]:
-        missing = [n for n in self._input_specs if n not in self._inputs]
+        missing = [
+            n
+            for n, spec in self._input_specs.items()
+            if n not in self._inputs and spec[3].kind != "optional"  # optional: None, as ORT
+        ]
         if missing:
             raise InvalidArgument(f"run_with_binding: input(s) {missing} are not bound")
         return dict(self._inputs)

@@ -119,16 +119,18 @@ def bind_inputs(
         )
     if len(inputs) != len(specs) or any(spec[0] not in inputs for spec in specs):
         names = [spec[0] for spec in specs]
-        unknown = sorted(set(inputs) - set(names))
+        unknown = sorted(set(inputs) - set(names), key=str)
         if unknown:
             raise InvalidArgument(
                 f"run: unknown input name(s) {unknown}; the model's inputs are {names}"
             )
-        missing = [n for n in names if n not in inputs]
-        raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
+        # As onnxruntime: an input of optional type may be left out (it is None).
+        missing = [s[0] for s in specs if s[0] not in inputs and s[3].kind != "optional"]
+        if missing:
+            raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
     values: dict[str, RunValue] = {}
     for name, want, shape, info in specs:
-        given = inputs[name]
+        given = inputs.get(name)
         if info.kind not in ("tensor", "unknown"):
             values[name] = RunValue(None, host=_host_input(name, given, info))
             continue
