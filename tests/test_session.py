@@ -300,10 +300,12 @@ async def test_claim_overlapping_a_higher_priority_ep(caplog: pytest.LogCaptureF
         "EP 'b' claimed node(s) 0 (Add) that were already claimed by 'a'" in r.getMessage()
         for r in caplog.records
     )
-    async with environment(ep=claim_fixed([2], [2, 3])) as (env, devs):
-        async with await env.create_session(chain(), [devs["ep"]]) as sess:
-            assert sess.assignment[:4] == (CPU, CPU, "ep", CPU)
-            assert_matches(await sess.run({"x": x}, output_location="host"), want)
+    async with (
+        environment(ep=claim_fixed([2], [2, 3])) as (env, devs),
+        await env.create_session(chain(), [devs["ep"]]) as sess,
+    ):
+        assert sess.assignment[:4] == (CPU, CPU, "ep", CPU)
+        assert_matches(await sess.run({"x": x}, output_location="host"), want)
 
 
 async def test_bad_meta_def_and_cyclic_claims() -> None:
@@ -937,15 +939,17 @@ async def test_an_omitted_optional_input_is_none_as_in_onnxruntime() -> None:
     x = np.array([1.5, -2.0], np.float32)
     oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     want_y, want_has = oracle.run(None, {"x": x})
-    async with aioep.Environment(autoload=False) as env:
-        async with await env.create_session(model) as sess:
-            out = await sess.run({"x": x}, output_location="host")
-            np.testing.assert_array_equal(out["y"].numpy(), want_y)
-            assert bool(out["has"].numpy()) is bool(want_has) is False
-            with pytest.raises(InvalidArgument, match="missing input 'x'"):
-                await sess.run({"o": None})
-            binding = sess.io_binding()
-            binding.bind_input("x", x)
-            bound = await sess.run_with_binding(binding)
-            np.testing.assert_array_equal(np.asarray(bound["y"].numpy()), want_y)
-            del out, bound, binding
+    async with (
+        aioep.Environment(autoload=False) as env,
+        await env.create_session(model) as sess,
+    ):
+        out = await sess.run({"x": x}, output_location="host")
+        np.testing.assert_array_equal(out["y"].numpy(), want_y)
+        assert bool(out["has"].numpy()) is bool(want_has) is False
+        with pytest.raises(InvalidArgument, match="missing input 'x'"):
+            await sess.run({"o": None})
+        binding = sess.io_binding()
+        binding.bind_input("x", x)
+        bound = await sess.run_with_binding(binding)
+        np.testing.assert_array_equal(np.asarray(bound["y"].numpy()), want_y)
+        del out, bound, binding
