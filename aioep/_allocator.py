@@ -11,6 +11,7 @@ from ._errors import ClosedError, InvalidArgument
 from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import MemoryInfo
+from ._validate import MAX_DIM
 
 if TYPE_CHECKING:
     from ._ownership import Origin
@@ -59,9 +60,9 @@ class Allocator(abc.ABC):
         ``stream`` names the stream that will use the memory (stream-aware
         allocators such as the arena use it to decide which freed memory is safe).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
             )
         if stream is not None and not isinstance(stream, SyncStream):
             raise InvalidArgument(
@@ -81,9 +82,9 @@ class Allocator(abc.ABC):
         unregistered under it) and goes back through :meth:`_free` when dropped. Works
         on a closed allocator too: ``_free`` serves live buffers after closing.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
             )
         return self._account(ptr, nbytes, stream)
 

@@ -29,6 +29,7 @@ from ._errors import ClosedError, InUseError, InvalidArgument
 from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import AllocatorType
+from ._validate import MAX_DIM
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 
@@ -153,9 +154,13 @@ class ArenaAllocator(Allocator):
                 f"got {type(stream).__name__} {stream!r}"
             )
         if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            if (
+                isinstance(nbytes, bool)
+                or not isinstance(nbytes, int)
+                or not 0 <= nbytes <= MAX_DIM
+            ):
                 raise InvalidArgument(
-                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                    f"arena {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
                 )
             nbytes = int(nbytes)
             if nbytes == 0:
@@ -190,9 +195,9 @@ class ArenaAllocator(Allocator):
         The memory is outside the pool: it is never split or handed to another
         request, and it goes back to the base when the buffer is freed.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"arena {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
             )
         if stream is not None and not isinstance(stream, SyncStream):
             raise InvalidArgument(

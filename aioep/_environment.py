@@ -13,7 +13,7 @@ import enum
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -174,17 +174,21 @@ class Environment(AsyncResource):
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         check_type("Environment", "autoload", autoload, bool, "a bool")
-        if backends is not None and (
-            isinstance(backends, (str, bytes))
-            or not isinstance(backends, Iterable)
-            or not all(isinstance(b, str) for b in backends)
-        ):
-            raise InvalidArgument(
-                f"Environment: backends must be a list of names (str), got {describe(backends)}"
-            )
+        names: list[str] | None = None
+        if backends is not None:
+            try:
+                if isinstance(backends, (str, bytes, Mapping)):
+                    raise TypeError
+                names = list(backends)
+            except TypeError:
+                names = [None]  # type: ignore[list-item]
+            if not all(isinstance(b, str) for b in names):
+                raise InvalidArgument(
+                    f"Environment: backends must be a list of names (str), got {describe(backends)}"
+                )
         outer = check_options("Environment", "backend_options", backend_options)
         self._autoload = autoload
-        self._backends = None if backends is None else list(backends)
+        self._backends = names
         self._backend_options = {
             k: check_options("Environment", f"backend_options[{k!r}]", v) for k, v in outer.items()
         }
@@ -325,6 +329,7 @@ class Environment(AsyncResource):
             InUseError: its streams, buffers or copies are still alive (nothing is removed).
         """
         self._check_open()
+        check_type("unregister_library", "name", name, str, "a library name (str)")
         self._registry.unregister(name, self._copies.count_in_flight)
 
     @property

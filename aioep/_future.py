@@ -162,7 +162,8 @@ class CopyFuture:
     def add_done_callback(self, fn: Callable[[CopyFuture], None]) -> None:
         """Call ``fn(future)`` when done, from the thread that completes it (at once if done).
 
-        An exception ``fn`` raises when called later is logged (logger ``aioep``).
+        An exception ``fn`` raises is logged (logger ``aioep``), never raised here or on the
+        thread that completes the copy.
         """
         if not callable(fn):
             raise InvalidArgument(f"add_done_callback: fn must be callable, got {fn!r}")
@@ -170,7 +171,7 @@ class CopyFuture:
             if self._status is CopyStatus.PENDING:
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        call_reporting(fn, self)
 
     async def _wait_async(self) -> list[Tensor]:
         impl = self._notification.impl

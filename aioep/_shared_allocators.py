@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import numpy.typing as npt
 
 from ._allocator import Allocator
@@ -17,6 +16,7 @@ from ._host import HOST_EP_NAME
 from ._ownership import Origin, Scope
 from ._tensor import Tensor, _normalize_shape
 from ._types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
+from ._validate import check_dtype
 
 if TYPE_CHECKING:
     from ._device import EpDevice
@@ -209,10 +209,7 @@ class SharedAllocators:
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
         dims = _normalize_shape(shape)
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"empty: {dtype!r} is not a numpy dtype") from exc
+        itemsize = check_dtype("empty", dtype).itemsize
         nbytes = itemsize
         for d in dims:
             nbytes *= d

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from ._errors import InUseError, InvalidArgument
 from ._types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
-from ._validate import MAX_DIM, check_int, describe
+from ._validate import MAX_DIM, check_dtype, check_int, describe
 
 if TYPE_CHECKING:
     from ._allocator import Allocator
@@ -183,10 +183,7 @@ class Tensor:
         byte_offset: int = 0,
     ) -> None:
         self.shape = _normalize_shape(shape)
-        try:
-            self.dtype = np.dtype(dtype)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"Tensor: {dtype!r} is not a numpy dtype") from exc
+        self.dtype = check_dtype("Tensor", dtype)
         if self.dtype.hasobject:
             raise InvalidArgument(f"Tensor: dtype {self.dtype} holds Python objects")
         if not isinstance(buffer, Buffer):
@@ -441,7 +438,12 @@ def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
             f"shape must be an int or a sequence of ints >= 0, got {describe(shape)}"
         )
     else:
-        dims = tuple(shape)
+        try:
+            dims = tuple(shape)
+        except TypeError as exc:  # a 0-d array, an iterable that refuses to iterate
+            raise InvalidArgument(
+                f"shape must be an int or a sequence of ints >= 0, got {describe(shape)}"
+            ) from exc
     out: list[int] = []
     size = 1
     for d in dims:

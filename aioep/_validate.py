@@ -9,10 +9,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from ._errors import InvalidArgument
 
 __all__ = [
     "MAX_DIM",
+    "check_dtype",
     "check_int",
     "check_options",
     "check_timeout",
@@ -95,3 +98,14 @@ def check_path(where: str, name: str, value: object) -> str:
     if not isinstance(path, str):
         raise InvalidArgument(f"{where}: {name} must be a text path, got {describe(path)}")
     return path
+
+
+def check_dtype(where: str, dtype: object) -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype; anything numpy cannot read (it may raise TypeError,
+    ValueError or even SyntaxError for a malformed string) is InvalidArgument."""
+    try:
+        return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
+    except Exception as exc:
+        raise InvalidArgument(
+            f"{where}: {dtype!r} is not a numpy dtype ({type(exc).__name__}: {exc})"
+        ) from exc
