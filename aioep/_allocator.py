@@ -62,7 +62,7 @@ class Allocator(abc.ABC):
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
             )
         if stream is not None and not isinstance(stream, SyncStream):
             raise InvalidArgument(
@@ -84,7 +84,7 @@ class Allocator(abc.ABC):
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
             )
         return self._account(ptr, nbytes, stream)
 

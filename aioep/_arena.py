@@ -160,7 +160,7 @@ class ArenaAllocator(Allocator):
                 or not 0 <= nbytes <= MAX_DIM
             ):
                 raise InvalidArgument(
-                    f"arena {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
+                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
                 )
             nbytes = int(nbytes)
             if nbytes == 0:
@@ -197,7 +197,7 @@ class ArenaAllocator(Allocator):
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: nbytes must be an int in [0, 2**62], got {nbytes!r}"
+                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
             )
         if stream is not None and not isinstance(stream, SyncStream):
             raise InvalidArgument(
