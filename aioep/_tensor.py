@@ -108,6 +108,16 @@ class Buffer:
         return self.memory_info.device
 
     @property
+    def origin(self) -> Any:
+        """Who made this memory: the environment and library registration whose allocator
+        allocated it (``origin.library``, ``origin.scope.label``), or None for memory aioep
+        did not allocate (numpy arrays, memory imported from another framework: owned by
+        its producer, never freed by aioep). ``copy_tensors``, sessions and IOBinding take
+        device memory only from their own environment."""
+        allocator = self.allocator
+        return None if allocator is None else allocator._origin
+
+    @property
     def freed(self) -> bool:
         """True once the memory went back to its allocator (or :meth:`free` was called)."""
         return self._released or (self._finalizer is not None and not self._finalizer.alive)

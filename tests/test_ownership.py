@@ -175,3 +175,20 @@ async def test_module_level_copy_without_the_context() -> None:
     gc.collect()
     with pytest.raises(EpError, match="no aioep Environment is open"):
         in_fresh_context()
+
+
+async def test_every_allocated_buffer_knows_its_origin() -> None:
+    async with aioep.Environment(autoload=False) as env:
+        sim = _sim(env)
+        arena = env.create_shared_allocator(sim)
+        info = sim.memory_info(MemoryType.DEFAULT)
+        assert info is not None
+        for t in (env.empty(4, np.float32, info), env.empty(4, np.float32), arena.alloc(8)):
+            buffer = t.buffer if isinstance(t, aioep.Tensor) else t
+            assert buffer.origin is not None
+            assert buffer.origin.scope is env._scope
+        assert env.empty(4, np.float32, info).buffer.origin.library == "sim"
+        assert env.empty(4, np.float32).buffer.origin.library == "host"
+        # Memory aioep did not allocate is producer-owned: no origin, usable anywhere.
+        assert aioep.Tensor.from_numpy(np.zeros(2)).buffer.origin is None
+        del t, buffer, arena

@@ -502,7 +502,54 @@ CASES: dict[str, tuple[Case, type[EpError], str]] = {
     ),
 }
 
+
+async def _run(c: Ctx, *args: Any, **kwargs: Any) -> Any:
+    async with await c.env.create_session(_model(), [c.sim]) as sess:
+        return await sess.run(*args, **kwargs)
+
+
+async def _bind(c: Ctx, name: str, value: Any) -> Any:
+    async with await c.env.create_session(_model(), [c.sim]) as sess:
+        binding = sess.io_binding()
+        try:
+            return binding.bind_input(name, value)
+        finally:
+            del binding
+
+
+X = np.ones((4, 4), np.float32)
+
 ASYNC_CASES: dict[str, tuple[Case, type[EpError], str]] = {
+    "run inputs str": (lambda c: _run(c, "x"), InvalidArgument, "inputs must map"),
+    "run inputs list": (lambda c: _run(c, [X]), InvalidArgument, "inputs must map"),
+    "run unknown input": (lambda c: _run(c, {"x": X, "z": X}), InvalidArgument, "unknown input"),
+    "run missing input": (lambda c: _run(c, {}), InvalidArgument, "missing input 'x'"),
+    "run wrong dtype": (
+        lambda c: _run(c, {"x": X.astype(np.float64)}),
+        InvalidArgument,
+        "dtype",
+    ),
+    "run wrong shape": (
+        lambda c: _run(c, {"x": np.ones((2, 8), np.float32)}),
+        InvalidArgument,
+        "shape",
+    ),
+    "run freed input": (
+        lambda c: _run(
+            c, {"x": (lambda t: (t.buffer.free(), t)[1])(c.env.empty((4, 4), np.float32, c.mem))}
+        ),
+        InvalidArgument,
+        "was freed",
+    ),
+    "run output_location bad": (
+        lambda c: _run(c, {"x": X}, output_location="gpu"),
+        InvalidArgument,
+        "output_location",
+    ),
+    "run stream str": (lambda c: _run(c, {"x": X}, "s"), InvalidArgument, "stream"),
+    "bind unknown name": (lambda c: _bind(c, "nope", X), InvalidArgument, "nope"),
+    "bind int": (lambda c: _bind(c, "x", 3), InvalidArgument, "int"),
+    "bind freed": (lambda c: _bind(c, "x", c.freed), InvalidArgument, "freed"),
     "session options str": (
         lambda c: c.env.create_session(_model(), [c.sim], "x"),  # type: ignore[arg-type]
         InvalidArgument,
