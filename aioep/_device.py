@@ -96,6 +96,10 @@ class EpDevice:
 
     def memory_info(self, memory_type: MemoryType = MemoryType.DEFAULT) -> MemoryInfo | None:
         """The memory info of that type, or None where the device has none."""
+        if not isinstance(memory_type, MemoryType):
+            check_type(
+                "EpDevice.memory_info", "memory_type", memory_type, MemoryType, "a MemoryType"
+            )
         return self._memory_infos.get(memory_type)
 
     @property

@@ -448,6 +448,7 @@ class Environment(AsyncResource):
 
     def external_data_loader(self, memory_info: MemoryInfo) -> ExternalDataLoader | None:
         """The first registered loader that can fill tensors in ``memory_info``, or None."""
+        check_type("external_data_loader", "memory_info", memory_info, MemoryInfo, "a MemoryInfo")
         return self._registry.external_data_loader(memory_info)
 
     async def load_initializers(

@@ -118,6 +118,10 @@ def _checked_options(
         raise InvalidArgument(
             f"create_session: ep_options must map EP names to option mappings, got {ep_options!r}"
         )
+    ep_options = {
+        name: check_options("create_session", f"ep_options[{name!r}]", value)
+        for name, value in check_options("create_session", "ep_options", ep_options).items()
+    }
     return opts, ep_options
 
 

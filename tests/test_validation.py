@@ -376,6 +376,16 @@ CASES: dict[str, tuple[Case, type[EpError], str]] = {
         InvalidArgument,
         "priority",
     ),
+    "ep device memory_info int": (
+        lambda c: c.sim.memory_info(999),  # type: ignore[arg-type]
+        InvalidArgument,
+        "memory_type",
+    ),
+    "external_data_loader str": (
+        lambda c: c.env.external_data_loader("Sim"),  # type: ignore[arg-type]
+        InvalidArgument,
+        "memory_info",
+    ),
     # allocation
     "empty dtype unknown": (lambda c: c.env.empty(3, "floaty"), InvalidArgument, "dtype"),
     "empty shape str": (lambda c: c.env.empty("3", "f4"), InvalidArgument, "shape"),  # type: ignore[arg-type]
@@ -559,6 +569,16 @@ ASYNC_CASES: dict[str, tuple[Case, type[EpError], str]] = {
         lambda c: c.env.create_session(_model(), [c.sim], {"threads": 1}),
         InvalidArgument,
         "unknown option",
+    ),
+    "session ep_options inner str": (
+        lambda c: c.env.create_session(_model(), [c.sim], {"ep_options": {"Sim": "x"}}),
+        InvalidArgument,
+        "ep_options['Sim']",
+    ),
+    "session ep_options int key": (
+        lambda c: c.env.create_session(_model(), [c.sim], {"ep_options": {999: {}}}),
+        InvalidArgument,
+        "keys must be str",
     ),
     "session threads str": (
         lambda c: c.env.create_session(_model(), [c.sim], {"intra_op_num_threads": "x"}),
