@@ -8,11 +8,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._errors import ClosedError, InvalidArgument
+from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import MemoryInfo
+from ._validate import MAX_DIM
 
 if TYPE_CHECKING:
-    from ._stream import SyncStream
+    from ._ownership import Origin
 
 __all__ = ["Allocator"]
 
@@ -35,6 +37,9 @@ class Allocator(abc.ABC):
         self._closed = False
         self._retired = False
         self._close_callbacks: list[Callable[[], None]] = []
+        # The environment and library that made this allocator (set by the environment);
+        # None: a user's own allocator, whose buffers are producer-owned (see _ownership).
+        self._origin: Origin | None = None
 
     # -- what a backend implements ---------------------------------------------------------
     @abc.abstractmethod
@@ -55,9 +60,14 @@ class Allocator(abc.ABC):
         ``stream`` names the stream that will use the memory (stream-aware
         allocators such as the arena use it to decide which freed memory is safe).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
+            )
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: stream must be an aioep.SyncStream or "
+                f"None, got {type(stream).__name__} {stream!r}"
             )
         if self._closed or self._retired:
             raise ClosedError(f"allocator {self.memory_info.name!r} is closed")
@@ -72,9 +82,9 @@ class Allocator(abc.ABC):
         unregistered under it) and goes back through :meth:`_free` when dropped. Works
         on a closed allocator too: ``_free`` serves live buffers after closing.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
             )
         return self._account(ptr, nbytes, stream)
 
@@ -95,6 +105,11 @@ class Allocator(abc.ABC):
 
     def free(self, buffer: Buffer) -> None:
         """Free ``buffer`` now (it must come from this allocator)."""
+        if not isinstance(buffer, Buffer):
+            raise InvalidArgument(
+                f"allocator {self.memory_info.name!r}: free(buffer) takes an aioep.Buffer, "
+                f"got {type(buffer).__name__}"
+            )
         if buffer.allocator is not self:
             raise InvalidArgument(
                 f"allocator {self.memory_info.name!r} did not allocate {buffer!r}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING
 
 from ._allocator import Allocator
 from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
@@ -27,11 +26,10 @@ from ._arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from ._arena_regions import RegionReturns, free_handles
 from ._bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
 from ._errors import ClosedError, InUseError, InvalidArgument
+from ._stream import SyncStream
 from ._tensor import Buffer
 from ._types import AllocatorType
-
-if TYPE_CHECKING:
-    from ._stream import SyncStream
+from ._validate import MAX_DIM
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 
@@ -117,6 +115,7 @@ class ArenaAllocator(Allocator):
         self._lock = lock = threading.RLock()  # type: ignore[assignment]  # see _busy
         self.base = base
         self.config = config
+        self._origin = base._origin  # an arena's memory belongs to whoever owns its base
         self._limit = config.limit
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
         self._core = core = BfcCore(unit, config.max_dead_bytes_per_chunk)
@@ -149,10 +148,19 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
+                f"got {type(stream).__name__} {stream!r}"
+            )
         if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            if (
+                isinstance(nbytes, bool)
+                or not isinstance(nbytes, int)
+                or not 0 <= nbytes <= MAX_DIM
+            ):
                 raise InvalidArgument(
-                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
                 )
             nbytes = int(nbytes)
             if nbytes == 0:
@@ -187,9 +195,14 @@ class ArenaAllocator(Allocator):
         The memory is outside the pool: it is never split or handed to another
         request, and it goes back to the base when the buffer is freed.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
             raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0, got {nbytes!r}"
+                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
+            )
+        if stream is not None and not isinstance(stream, SyncStream):
+            raise InvalidArgument(
+                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
+                f"got {type(stream).__name__} {stream!r}"
             )
         if self._closed or self._retired:
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")

@@ -15,6 +15,7 @@ from ._errors import InvalidArgument, translate_backend_error
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
 from ._notification import Notification
+from ._ownership import Scope
 from ._routes import RouteCache
 from ._stream import SyncStream
 from ._stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
@@ -37,11 +38,23 @@ class CopyDispatcher:
     them on every call.
     """
 
-    __slots__ = ("_executor", "_inflight", "_libraries", "_lock", "_routes", "_transfers")
+    __slots__ = (
+        "_executor",
+        "_inflight",
+        "_libraries",
+        "_lock",
+        "_routes",
+        "_scope",
+        "_transfers",
+    )
 
     def __init__(
-        self, transfers: list[tuple[str, DataTransfer]], libraries: Mapping[str, Library]
+        self,
+        transfers: list[tuple[str, DataTransfer]],
+        libraries: Mapping[str, Library],
+        scope: Scope | None = None,
     ) -> None:
+        self._scope = scope  # the environment's: device tensors of others are refused
         self._transfers = transfers
         self._libraries = libraries
         self._lock = threading.Lock()
@@ -58,6 +71,10 @@ class CopyDispatcher:
     ) -> CopyFuture:
         """Validate the batch, enqueue or run it, and return its future (see
         :meth:`Environment.copy_tensors`)."""
+        if allow_reshape is not False and allow_reshape is not True:
+            raise InvalidArgument(
+                f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
+            )
         if stream is None and not allow_reshape:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:
@@ -74,6 +91,7 @@ class CopyDispatcher:
                 allow_reshape=allow_reshape,
                 routes=self._routes,
                 defer_packing=True,
+                scope=self._scope,
             )
             return self._copy_unstreamed(plan)
         if not isinstance(stream, SyncStream):
@@ -93,6 +111,7 @@ class CopyDispatcher:
             allow_reshape=allow_reshape,
             routes=stream._routes,
             defer_packing=in_order_worker,
+            scope=self._scope,
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))

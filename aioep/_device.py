@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgument
 from ._types import HardwareDevice, MemoryInfo, MemoryType
+from ._validate import check_options, check_type
 
 if TYPE_CHECKING:
     from ._environment import Environment
@@ -47,7 +48,12 @@ class EpDevice:
         ep_metadata: Mapping[str, str] | None = None,
         ep_options: Mapping[str, str] | None = None,
     ) -> None:
-        metadata = dict(ep_metadata or {})
+        check_type("EpDevice", "hardware", hardware, HardwareDevice, "an aioep.HardwareDevice")
+        check_type("EpDevice", "memory_infos", memory_infos, Mapping, "a mapping")
+        for info in memory_infos.values():
+            check_type("EpDevice", "a memory info", info, MemoryInfo, "an aioep.MemoryInfo")
+        metadata = check_options("EpDevice", "ep_metadata", ep_metadata)
+        check_options("EpDevice", "ep_options", ep_options)
         if "version" in metadata:
             raise InvalidArgument(
                 f"EpDevice of {factory.name!r}: The provided EP metadata should not explicitly "
@@ -90,6 +96,10 @@ class EpDevice:
 
     def memory_info(self, memory_type: MemoryType = MemoryType.DEFAULT) -> MemoryInfo | None:
         """The memory info of that type, or None where the device has none."""
+        if not isinstance(memory_type, MemoryType):
+            check_type(
+                "EpDevice.memory_info", "memory_type", memory_type, MemoryType, "a MemoryType"
+            )
         return self._memory_infos.get(memory_type)
 
     @property

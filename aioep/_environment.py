@@ -12,6 +12,7 @@ import contextvars
 import enum
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,18 +28,24 @@ from ._errors import ClosedError, EpError, InvalidArgument
 from ._external_data import ExternalDataLoader, load_initializers
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, HostFactory
+from ._ownership import Scope
 from ._registry import BACKEND_GROUP, LibraryRegistry
 from ._shared_allocators import SharedAllocators
 from ._stream import SyncStream
 from ._tensor import Tensor
 from ._transfer import TensorLike
 from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
+from ._validate import check_options, check_type, describe
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 
 _current: contextvars.ContextVar[Environment | None] = contextvars.ContextVar(
     "aioep_current_environment", default=None
 )
+# The environments open in this process, for code that runs outside the context that
+# entered one (request handlers of a server whose lifespan opened it).
+_open: weakref.WeakSet[Environment] = weakref.WeakSet()
+_open_lock = threading.Lock()
 
 
 class _State(enum.Enum):
@@ -59,18 +66,56 @@ def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
 
 
 def current_environment() -> Environment:
-    """The environment entered by the nearest enclosing ``async with Environment()``.
+    """The environment this code runs in.
+
+    The one entered by the nearest enclosing ``async with Environment()`` in this
+    context; where there is none (a request task of a server whose lifespan holds
+    the environment: such tasks do not inherit the context), the one environment
+    open in the process.
 
     Raises:
-        EpError: no environment is open in this context.
+        EpError: no environment is open, or several are and none was entered in this
+            context (the message says which).
     """
     env = _current.get()
-    if env is None or env._state is not _State.OPEN:
+    if env is not None and env._state is _State.OPEN:
+        return env
+    with _open_lock:
+        candidates = [e for e in _open if e._state is _State.OPEN]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
         raise EpError(
-            "no aioep Environment is open in this context; wrap the code in "
-            "'async with aioep.Environment() as env:'"
+            "no aioep Environment is open; wrap the code in "
+            "'async with aioep.Environment() as env:' (or open one in the app's lifespan)"
         )
-    return env
+    raise EpError(
+        f"{len(candidates)} aioep Environments are open and none was entered in this context, "
+        "so which one to use is ambiguous; call env.copy_tensors(...) on the one you mean"
+    )
+
+
+def _environment_for(src: Sequence[Any], dst: Sequence[Any]) -> Environment:
+    """The environment of a module-level ``copy_tensors``: the owner of the first tensor
+    in device memory an environment allocated; else :func:`current_environment`."""
+    for seq in (src, dst):
+        if type(seq) not in (list, tuple):
+            continue
+        for t in seq:
+            if type(t) is not Tensor:
+                continue
+            allocator = t.buffer.allocator
+            origin = None if allocator is None else allocator._origin
+            if origin is None or t.buffer.memory_info.device.is_host_accessible:
+                continue
+            env = origin.scope.env
+            if isinstance(env, Environment):
+                if env._state is not _State.OPEN:
+                    raise ClosedError(
+                        f"copy_tensors: {t!r} is device memory of {origin}, which is closed"
+                    )
+                return env
+    return current_environment()
 
 
 def _leave(env: Environment) -> None:
@@ -91,10 +136,19 @@ def copy_tensors(
     *,
     allow_reshape: bool = False,
 ) -> CopyFuture:
-    """Copy each ``src[i]`` into ``dst[i]`` in the current environment; see
-    :meth:`Environment.copy_tensors`."""
-    # current_environment() checked that it is open: straight to its dispatcher.
-    return current_environment()._copies.copy(src, dst, stream, allow_reshape)
+    """Copy each ``src[i]`` into ``dst[i]`` in the environment that owns the tensors; see
+    :meth:`Environment.copy_tensors`.
+
+    The environment is the one whose allocator made the first device tensor of the
+    batch (or, with ``stream``, the stream's); where every tensor is host memory or
+    imported, :func:`current_environment`.
+    """
+    if stream is not None and isinstance(stream, SyncStream):
+        dev_env = stream.ep_device._env
+        if isinstance(dev_env, Environment) and dev_env._state is _State.OPEN:
+            return dev_env._copies.copy(src, dst, stream, allow_reshape)
+    # _environment_for checked that it is open: straight to its dispatcher.
+    return _environment_for(src, dst)._copies.copy(src, dst, stream, allow_reshape)
 
 
 class Environment(AsyncResource):
@@ -119,21 +173,36 @@ class Environment(AsyncResource):
         backends: Sequence[str] | None = None,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
-        if isinstance(backends, str):
-            raise InvalidArgument(
-                f"Environment(backends=...) takes a list of names, got {backends!r}"
-            )
+        check_type("Environment", "autoload", autoload, bool, "a bool")
+        names: list[str] | None = None
+        if backends is not None:
+            try:
+                if isinstance(backends, (str, bytes, Mapping)):
+                    raise TypeError
+                names = list(backends)
+            except TypeError:
+                names = [None]  # type: ignore[list-item]
+            if not all(isinstance(b, str) for b in names):
+                raise InvalidArgument(
+                    f"Environment: backends must be a list of names (str), got {describe(backends)}"
+                )
+        outer = check_options("Environment", "backend_options", backend_options)
         self._autoload = autoload
-        self._backends = None if backends is None else list(backends)
-        self._backend_options = {k: dict(v) for k, v in (backend_options or {}).items()}
+        self._backends = names
+        self._backend_options = {
+            k: check_options("Environment", f"backend_options[{k!r}]", v) for k, v in outer.items()
+        }
         self._state = _State.UNOPENED
         self._lock = threading.RLock()
         self._token: contextvars.Token[Environment | None] | None = None
         self.load_errors: dict[str, str] = {}
         """Backend name -> why it could not start or offers no device."""
-        self._allocators = SharedAllocators(self._lock)
+        self._scope = Scope(self)
+        self._allocators = SharedAllocators(self._lock, self._scope)
         self._registry = LibraryRegistry(self, self._allocators, self.load_errors, self._lock)
-        self._copies = CopyDispatcher(self._registry.transfers, self._registry.libraries)
+        self._copies = CopyDispatcher(
+            self._registry.transfers, self._registry.libraries, self._scope
+        )
         # The registry's state and lookups, for sessions, loaders and tests.
         self._libraries = self._registry.libraries
         self._transfers = self._registry.transfers
@@ -166,6 +235,8 @@ class Environment(AsyncResource):
     def _start(self) -> None:
         self._check_unopened()
         self._state = _State.OPEN
+        with _open_lock:
+            _open.add(self)
         try:
             self.register_library(HOST_EP_NAME, HostFactory(self._backend_options.get("host")))
             if self._autoload or self._backends:
@@ -220,6 +291,9 @@ class Environment(AsyncResource):
     def _release_everything(self) -> None:
         # Copies are awaited by now: streams, then the copy executor, then the libraries.
         self._state = _State.CLOSING
+        self._scope.closed = True
+        with _open_lock:
+            _open.discard(self)
         self._registry.close_streams()
         self._copies.shutdown()
         self._registry.close_all()
@@ -255,6 +329,7 @@ class Environment(AsyncResource):
             InUseError: its streams, buffers or copies are still alive (nothing is removed).
         """
         self._check_open()
+        check_type("unregister_library", "name", name, str, "a library name (str)")
         self._registry.unregister(name, self._copies.count_in_flight)
 
     @property
@@ -266,6 +341,10 @@ class Environment(AsyncResource):
         self, device_type: DeviceType | None = None, ep_name: str | None = None
     ) -> list[EpDevice]:
         """EP devices in registration order, optionally filtered by type and EP name."""
+        if device_type is not None:
+            check_type("ep_devices", "device_type", device_type, DeviceType, "a DeviceType or None")
+        if ep_name is not None:
+            check_type("ep_devices", "ep_name", ep_name, str, "a str or None")
         return self._registry.ep_devices(device_type, ep_name)
 
     @property
@@ -296,9 +375,10 @@ class Environment(AsyncResource):
         its live buffers and closes after the last one is freed.
         """
         self._check_open()
+        opts = check_options("create_shared_allocator", "options", options)
         with self._lock:
             lib = self._registry.library_of(ep_device)
-            return self._allocators.create(lib, ep_device, memory_type, allocator_type, options)
+            return self._allocators.create(lib, ep_device, memory_type, allocator_type, opts)
 
     def release_shared_allocator(
         self, ep_device: EpDevice, memory_type: MemoryType = MemoryType.DEFAULT
@@ -344,7 +424,8 @@ class Environment(AsyncResource):
             NotImplementedByEp: the device's factory does not support streams.
         """
         self._check_open()
-        return self._registry.create_stream(ep_device, options)
+        opts = check_options("create_sync_stream", "options", options)
+        return self._registry.create_stream(ep_device, opts or None)
 
     def copy_tensors(
         self,
@@ -367,6 +448,7 @@ class Environment(AsyncResource):
 
     def external_data_loader(self, memory_info: MemoryInfo) -> ExternalDataLoader | None:
         """The first registered loader that can fill tensors in ``memory_info``, or None."""
+        check_type("external_data_loader", "memory_info", memory_info, MemoryInfo, "a MemoryInfo")
         return self._registry.external_data_loader(memory_info)
 
     async def load_initializers(

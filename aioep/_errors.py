@@ -5,7 +5,7 @@ Every error aioep raises is an :class:`EpError` carrying an ONNX Runtime style
 caller would reach for first::
 
     EpError (Exception)                      code varies
-    ├── InvalidArgument (ValueError)         INVALID_ARGUMENT  bad input, nothing was done
+    ├── InvalidArgument (ValueError, TypeError)  INVALID_ARGUMENT  bad input, nothing was done
     ├── NoSuchFile (FileNotFoundError)       NO_SUCHFILE       a library, model or data file is missing
     ├── NotImplementedByEp (NotImplementedError)  NOT_IMPLEMENTED  no backend can do this
     ├── InUseError (RuntimeError)            FAIL              refused: something still uses it
@@ -73,8 +73,9 @@ class EpError(Exception):
         return (type(self), self.args[:1], self.__dict__)
 
 
-class InvalidArgument(EpError, ValueError):
-    """An argument was wrong; nothing was enqueued, written or registered."""
+class InvalidArgument(EpError, ValueError, TypeError):
+    """An argument was wrong (a bad value or a wrong type); nothing was enqueued, written or
+    registered."""
 
     default_code = ErrorCode.INVALID_ARGUMENT
 

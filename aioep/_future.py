@@ -9,7 +9,9 @@ from typing import Any
 
 from ._errors import EpError, InvalidArgument
 from ._notification import Notification, device_error
+from ._stream_impl import call_reporting
 from ._tensor import Tensor
+from ._validate import check_timeout
 from ._wake import wait_for
 
 __all__ = ["CopyFuture", "CopyStatus"]
@@ -103,8 +105,8 @@ class CopyFuture:
             callbacks, self._callbacks = self._callbacks, []
             self._settle()
         callbacks.reverse()
-        while callbacks:  # drop each before the next runs (see run_callbacks)
-            callbacks.pop()(self)
+        while callbacks:  # drop each before the next runs; one that raises is logged
+            call_reporting(callbacks.pop(), self)
 
     def _settle(self) -> None:
         err = self._notification.impl.error()
@@ -147,7 +149,9 @@ class CopyFuture:
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the copy goes on).
+            InvalidArgument: ``timeout`` is not None or a number >= 0 (inf waits forever).
         """
+        timeout = check_timeout("CopyFuture.wait", timeout)
         if not self._notification.impl.wait_on_host(timeout):
             raise TimeoutError(f"{self!r} did not complete within {timeout} s")
         try:
@@ -156,12 +160,18 @@ class CopyFuture:
             del self  # see result()
 
     def add_done_callback(self, fn: Callable[[CopyFuture], None]) -> None:
-        """Call ``fn(future)`` when done, from the thread that completes it (at once if done)."""
+        """Call ``fn(future)`` when done, from the thread that completes it (at once if done).
+
+        An exception ``fn`` raises is logged (logger ``aioep``), never raised here or on the
+        thread that completes the copy.
+        """
+        if not callable(fn):
+            raise InvalidArgument(f"add_done_callback: fn must be callable, got {fn!r}")
         with self._lock:
             if self._status is CopyStatus.PENDING:
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        call_reporting(fn, self)
 
     async def _wait_async(self) -> list[Tensor]:
         impl = self._notification.impl

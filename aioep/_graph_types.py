@@ -143,6 +143,12 @@ class Initializer:
             raise NoSuchFile(
                 f"initializer {self.name!r}: external data file not found: {exc}"
             ) from exc
+        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+            # Data that does not match the declared shape, or an element type onnx cannot read.
+            raise InvalidArgument(
+                f"initializer {self.name!r} (element type {self._proto.data_type}, dims "
+                f"{list(self._proto.dims)}) cannot be read: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def __repr__(self) -> str:
         ext = " external" if self.external else ""

@@ -60,7 +60,7 @@ class HostAllocator(Allocator):
         align = self.memory_info.alignment
         try:
             raw = np.empty(nbytes + align - 1, dtype=np.uint8)
-        except MemoryError as exc:
+        except (MemoryError, ValueError) as exc:  # ValueError: beyond numpy's size limit
             raise DeviceError(
                 f"host allocator {self.memory_info.name!r}: out of memory allocating {nbytes} bytes"
             ) from exc

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument
+from ._ownership import check_owner
 from ._session_values import InputSpec, check_type, same_memory
 from ._tensor import Tensor
 from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
@@ -136,30 +137,20 @@ class IOBinding:
             )
         if value.buffer.freed:
             raise InvalidArgument(f"{where}: {value!r} was freed")
-        if not self._owns(value):
-            raise InvalidArgument(
-                f"{where}: {value!r} was allocated by another environment (or by an allocator "
-                "this environment no longer has)"
-            )
+        if value.buffer.allocator is not None:
+            check_owner(value, self._env._scope, where)
         return value
-
-    def _owns(self, tensor: Tensor) -> bool:
-        allocator = tensor.buffer.allocator
-        if allocator is None:
-            return True  # wrapped host memory (numpy): any environment reads it
-        known: list[Any] = [*self._env.shared_allocators.values()]
-        for lib in self._env._libraries.values():
-            known.extend(lib.allocators)
-            known.extend(lib.retired)
-        # An arena's buffers come from the arena, its regions from its base.
-        return any(allocator is k or getattr(k, "base", None) is allocator for k in known)
 
     def _can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
         return any(t.can_copy(src, dst) for _, t in self._env._transfers)
 
     # -- runs ------------------------------------------------------------------------------
     def _run_inputs(self) -> dict[str, Tensor]:
-        missing = [n for n in self._input_specs if n not in self._inputs]
+        missing = [
+            n
+            for n, spec in self._input_specs.items()
+            if n not in self._inputs and spec[3].kind != "optional"  # optional: None, as ORT
+        ]
         if missing:
             raise InvalidArgument(f"run_with_binding: input(s) {missing} are not bound")
         return dict(self._inputs)

@@ -6,8 +6,9 @@ import traceback
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceError, EpError
-from ._stream_impl import NotificationImpl
+from ._errors import DeviceError, EpError, InvalidArgument
+from ._stream_impl import NotificationImpl, StreamImpl
+from ._validate import check_timeout, describe
 from ._wake import wait_for
 
 if TYPE_CHECKING:
@@ -28,6 +29,14 @@ class Notification:
     __slots__ = ("__weakref__", "_impl", "_stream", "_sync_table")
 
     def __init__(self, impl: NotificationImpl, stream: SyncStream | None = None) -> None:
+        if not isinstance(impl, NotificationImpl):
+            raise InvalidArgument(
+                f"Notification: impl must be an aioep.abc.NotificationImpl, got {describe(impl)}"
+            )
+        if stream is not None and not isinstance(getattr(stream, "_impl", None), StreamImpl):
+            raise InvalidArgument(
+                f"Notification: stream must be an aioep.SyncStream or None, got {describe(stream)}"
+            )
         self._impl = impl
         self._stream = stream
         # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).
@@ -56,6 +65,14 @@ class Notification:
 
     def wait_on_device(self, stream: SyncStream) -> None:
         """Make work enqueued later on ``stream`` wait for this point; returns at once."""
+        # SyncStream lives in the layer above: recognise it by the backend stream it wraps.
+        if not isinstance(getattr(stream, "_impl", None), StreamImpl) or not callable(
+            getattr(stream, "wait", None)
+        ):
+            raise InvalidArgument(
+                f"Notification.wait_on_device: stream must be an aioep.SyncStream, got "
+                f"{describe(stream)}"
+            )
         stream.wait(self)
 
     def done(self) -> bool:
@@ -75,7 +92,9 @@ class Notification:
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
             DeviceError: the work before this point failed.
+            InvalidArgument: ``timeout`` is not None or a number >= 0 (inf waits forever).
         """
+        timeout = check_timeout("Notification.wait", timeout)
         if not self._impl.wait_on_host(timeout):
             raise TimeoutError(f"{self!r} not reached within {timeout} s")
         self._raise_if_failed()

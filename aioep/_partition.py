@@ -4,6 +4,7 @@ all partitions so that each runs after the partitions it reads from."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from ._ep import Ep, IndexedSubGraph, MetaDef
 from ._errors import InvalidArgument
 from ._graph import GraphView
 from ._graph_order import grouped_runs
+
+_log = logging.getLogger("aioep")
 
 __all__ = ["CPU_EP_NAME", "Partition", "assignment_of", "partition_graph"]
 
@@ -145,9 +148,10 @@ def partition_graph(graph: GraphView, eps: Sequence[Ep]) -> list[Partition]:
     depends on; CPU parts with no outputs do not run.
 
     Raises:
-        InvalidArgument: an EP's claim names a node that does not exist, overlaps an
-            earlier claim, is not convex, has a meta-def that does not match its nodes,
-            or the claims depend on each other in a cycle.
+        InvalidArgument: an EP's claim names a node that does not exist, is not convex,
+            has a meta-def that does not match its nodes, or the claims depend on each
+            other in a cycle. A claim that overlaps an earlier one is dropped with a
+            logged warning (logger ``aioep``), as onnxruntime does.
     """
     claims = _collect_claims(graph, eps)
     units, runs = _order_units(graph, claims)
@@ -177,6 +181,8 @@ def _collect_claims(graph: GraphView, eps: Sequence[Ep]) -> list[_Claim]:
                     f"EP {ep.name!r}: get_capability returned {claim!r}, not an IndexedSubGraph"
                 )
             group = _checked_group(graph, ep, claim.nodes, assigned, reach)
+            if group is None:
+                continue
             if claim.meta_def is not None:
                 _check_meta_def(graph, ep, group, claim.meta_def)
                 interface = (*claim.meta_def.inputs, *claim.meta_def.outputs)
@@ -212,8 +218,9 @@ def _checked_group(
     nodes: Sequence[int],
     assigned: dict[int, str],
     reach: _Reach,
-) -> tuple[int, ...]:
-    """The claimed ``nodes``, sorted, once they are known, free, distinct and convex."""
+) -> tuple[int, ...] | None:
+    """The claimed ``nodes``, sorted, once they are known, distinct and convex; None (with a
+    logged warning) when a node was already claimed."""
     n = len(graph.nodes)
     if not nodes:
         raise InvalidArgument(f"EP {ep.name!r} claimed an empty node group")
@@ -229,11 +236,18 @@ def _checked_group(
         raise InvalidArgument(f"EP {ep.name!r} claimed node(s) twice in one group: {list(nodes)}")
     taken = sorted(i for i in nodes if i in assigned)
     if taken:
+        # As onnxruntime's partitioner: claims are honoured in EP priority order, and a
+        # group with a node already assigned cannot take it; the whole group is dropped.
         owners = sorted({assigned[i] for i in taken})
-        raise InvalidArgument(
-            f"EP {ep.name!r} claimed node(s) {_describe(graph, taken)} that were already "
-            f"claimed by {', '.join(repr(o) for o in owners)}"
+        _log.warning(
+            "EP %r claimed node(s) %s that were already claimed by %s; that group (nodes %s) "
+            "is dropped and its nodes go to later EPs or the CPU fallback",
+            ep.name,
+            _describe(graph, taken),
+            ", ".join(repr(o) for o in owners),
+            sorted(nodes),
         )
+        return None
     group = tuple(sorted(nodes))
     if len(group) > 1:
         outside = reach.path_nodes_outside(group)

@@ -30,6 +30,7 @@ from ._external_data import ExternalDataLoader
 from ._factory import EpFactory
 from ._host import HOST_EP_NAME, host_hardware_device
 from ._stream import SyncStream
+from ._stream_impl import StreamImpl
 from ._transfer import DataTransfer
 from ._types import DeviceType, HardwareDevice, MemoryInfo, MemoryType
 
@@ -171,10 +172,20 @@ class LibraryRegistry:
                 f"Error creating data transfer for {lib.name!r}: {type(exc).__name__}: {exc}",
                 code=ErrorCode.EP_FAIL,
             ) from exc
+        if transfer is not None and not isinstance(transfer, DataTransfer):
+            raise InvalidArgument(
+                f"factory {factory.name!r}.create_data_transfer returned {transfer!r}, not an "
+                "aioep.abc.DataTransfer or None"
+            )
         if transfer is not None:
             lib.transfer = transfer
             self.transfers.append((lib.name, transfer))
         loader = factory.create_external_data_loader()
+        if loader is not None and not isinstance(loader, ExternalDataLoader):
+            raise InvalidArgument(
+                f"factory {factory.name!r}.create_external_data_loader returned {loader!r}, not "
+                "an aioep.abc.ExternalDataLoader or None"
+            )
         if loader is not None:
             lib.loader = loader
             self.loaders.append((lib.name, loader))
@@ -370,6 +381,11 @@ class LibraryRegistry:
                 raise EpError(
                     f"Failed to get a stream implementation from the EP factory {factory.name!r}."
                 )
+            if not isinstance(impl, StreamImpl):
+                raise InvalidArgument(
+                    f"factory {factory.name!r}.create_sync_stream returned {impl!r}, not an "
+                    "aioep.abc.StreamImpl"
+                )
             stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
             lib.streams.add(stream)
             return stream
@@ -453,6 +469,10 @@ def _resolve_factory(name: str, target: Any, options: Mapping[str, Any] | None) 
 
 
 def _factory_for_path(name: str, path: Path, options: Mapping[str, Any] | None) -> EpFactory:
+    if path.is_dir():
+        raise NoSuchFile(
+            f"register_library({name!r}): {str(path)!r} is a directory, not a plugin library file"
+        )
     if not path.is_file():
         raise NoSuchFile(f"register_library({name!r}): plugin library {str(path)!r} does not exist")
     eps = [e for e in _backend_entry_points() if e.name == PATH_BACKEND]

@@ -37,6 +37,7 @@ from ._session_workers import Workers
 from ._stream import SyncStream
 from ._tensor import Tensor
 from ._types import MemoryDevice
+from ._validate import check_int, check_options
 
 if TYPE_CHECKING:
     from ._environment import Environment
@@ -102,18 +103,25 @@ def _checked_options(
     options: Mapping[str, Any] | None,
 ) -> tuple[dict[str, Any], Mapping[str, Any]]:
     """The session options, and the ``ep_options`` among them."""
-    opts = dict(options or {})
+    opts = check_options("create_session", "options", options)
     unknown = sorted(set(opts) - set(_OPTION_KEYS))
     if unknown:
         raise InvalidArgument(
             f"create_session: unknown option(s) {unknown}; known: {list(_OPTION_KEYS)}"
         )
+    for key in ("intra_op_num_threads", "inter_op_num_threads"):
+        if key in opts:
+            opts[key] = check_int("create_session", key, opts[key], maximum=1 << 16)
     opts["progress"] = wants_bar(opts.get("progress"), "create_session")
     ep_options = opts.get("ep_options") or {}
     if not isinstance(ep_options, Mapping):
         raise InvalidArgument(
             f"create_session: ep_options must map EP names to option mappings, got {ep_options!r}"
         )
+    ep_options = {
+        name: check_options("create_session", f"ep_options[{name!r}]", value)
+        for name, value in check_options("create_session", "ep_options", ep_options).items()
+    }
     return opts, ep_options
 
 
@@ -316,6 +324,11 @@ class Session(AsyncResource):
             )
         bound = binding._bound_outputs()
         into = {name: t for name, t in bound.items() if isinstance(t, Tensor)}
+        for name, t in into.items():
+            if t.buffer.freed:  # freed after it was bound: a run must not write into it
+                raise InvalidArgument(
+                    f"run_with_binding: output {name!r} is bound to {t!r}, which was freed"
+                )
         outputs = await self._run(binding._run_inputs(), stream, "device", into)
         results, srcs, dsts = place_bound_outputs(self._env, outputs, bound)
         if srcs:

@@ -85,7 +85,12 @@ class Runner:
                 step = plan.direct
                 results = await self.workers.call(run_ort, step.ort_session, feeds)
                 return {name: from_ort(value) for name, value in zip(step.ort_outputs, results)}
-        run = _Run(self, bind_inputs(plan.input_specs, inputs, user_ready, stream), streams, into)
+        run = _Run(
+            self,
+            bind_inputs(plan.input_specs, inputs, user_ready, stream, self.env._scope),
+            streams,
+            into,
+        )
         try:
             return await run.execute(stream, output_location)
         except BaseException:

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from ._errors import InvalidArgument
 from ._graph_types import ValueInfo
+from ._ownership import Scope, check_owner
 from ._tensor import Tensor
 from ._types import DeviceType, MemoryDevice
 
@@ -102,12 +103,15 @@ def bind_inputs(
     inputs: Mapping[str, Tensor | npt.ArrayLike],
     ready: Notification | None,
     stream: SyncStream | None,
+    scope: Scope | None = None,
 ) -> dict[str, RunValue]:
     """The model inputs as run values, checked against the graph's inputs; tensors given
     with a caller's ``stream`` are ready once ``ready`` (recorded on it) is.
 
     Raises:
-        InvalidArgument: an input is missing or unknown, or has the wrong dtype or shape.
+        InvalidArgument: an input is missing or unknown, has the wrong dtype or shape, was
+            freed, or is device memory of another environment (``scope`` is the session's).
+        ClosedError: an input is device memory of a closed environment.
     """
     if not isinstance(inputs, Mapping):
         raise InvalidArgument(
@@ -115,21 +119,27 @@ def bind_inputs(
         )
     if len(inputs) != len(specs) or any(spec[0] not in inputs for spec in specs):
         names = [spec[0] for spec in specs]
-        unknown = sorted(set(inputs) - set(names))
+        unknown = sorted(set(inputs) - set(names), key=str)
         if unknown:
             raise InvalidArgument(
                 f"run: unknown input name(s) {unknown}; the model's inputs are {names}"
             )
-        missing = [n for n in names if n not in inputs]
-        raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
+        # As onnxruntime: an input of optional type may be left out (it is None).
+        missing = [s[0] for s in specs if s[0] not in inputs and s[3].kind != "optional"]
+        if missing:
+            raise InvalidArgument(f"run: missing input {missing[0]!r} (model inputs: {names})")
     values: dict[str, RunValue] = {}
     for name, want, shape, info in specs:
-        given = inputs[name]
+        given = inputs.get(name)
         if info.kind not in ("tensor", "unknown"):
             values[name] = RunValue(None, host=_host_input(name, given, info))
             continue
         if isinstance(given, Tensor):
             tensor = given
+            if tensor.buffer.freed:
+                raise InvalidArgument(f"run: input {name!r}: {tensor.buffer!r} was freed")
+            if scope is not None and tensor.buffer.allocator is not None:
+                check_owner(tensor, scope, f"run: input {name!r}")
             value = RunValue(tensor, ready, stream if ready is not None else None)
         else:
             tensor = _host_tensor(given, want)
@@ -177,6 +187,8 @@ def _host_input(name: str, given: Any, info: ValueInfo) -> Any:
 
 def _host_data(name: str, value: Any) -> Any:
     if isinstance(value, Tensor):
+        if value.buffer.freed:
+            raise InvalidArgument(f"run: input {name!r}: {value.buffer!r} was freed")
         if not value.is_host_accessible:
             raise InvalidArgument(
                 f"run: input {name!r}: {value!r} is in device memory; sequence and optional "

@@ -8,14 +8,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import numpy.typing as npt
 
 from ._allocator import Allocator
 from ._errors import InvalidArgument
 from ._host import HOST_EP_NAME
+from ._ownership import Origin, Scope
 from ._tensor import Tensor, _normalize_shape
 from ._types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
+from ._validate import check_dtype
 
 if TYPE_CHECKING:
     from ._device import EpDevice
@@ -31,14 +32,18 @@ class _Shared:
     owner: str | None  # library name, or None for a user's allocator
 
 
-def make_allocator(lib: Library, info: MemoryInfo, options: Mapping[str, Any] | None) -> Allocator:
-    """A new allocator from ``lib``'s factory, counted among the library's allocators."""
+def make_allocator(
+    lib: Library, info: MemoryInfo, options: Mapping[str, Any] | None, scope: Scope
+) -> Allocator:
+    """A new allocator from ``lib``'s factory, counted among the library's allocators and
+    marked as made by ``lib`` in the environment of ``scope``."""
     allocator = lib.factory.create_allocator(info, options)
     if not isinstance(allocator, Allocator):
         raise InvalidArgument(
             f"factory {lib.factory.name!r}.create_allocator returned {allocator!r}, "
             "not an aioep.Allocator"
         )
+    allocator._origin = Origin(scope, lib.name)
     lib.allocators.append(allocator)
     return allocator
 
@@ -55,10 +60,11 @@ class SharedAllocators:
     buffers); a user's registered allocator is never closed here.
     """
 
-    __slots__ = ("_lock", "_shared", "host")
+    __slots__ = ("_lock", "_shared", "host", "scope")
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: threading.RLock, scope: Scope) -> None:
         self._lock = lock
+        self.scope = scope
         self._shared: dict[MemoryDevice, _Shared] = {}
         self.host: Allocator | None = None
         """The host library's allocator: CPU memory with no shared allocator of its own."""
@@ -71,9 +77,11 @@ class SharedAllocators:
         """Make ``lib``'s default allocator for each memory it offers that has none yet."""
         for info in infos:
             if lib.factory.name == HOST_EP_NAME and self.host is None:
-                self.host = make_allocator(lib, info, None)
+                self.host = make_allocator(lib, info, None, self.scope)
             elif info.device not in self._shared:
-                self._shared[info.device] = _Shared(make_allocator(lib, info, None), lib.name)
+                self._shared[info.device] = _Shared(
+                    make_allocator(lib, info, None, self.scope), lib.name
+                )
 
     def drop_library(self, name: str) -> None:
         """Forget the shared allocators owned by library ``name`` (the library closes them)."""
@@ -126,12 +134,12 @@ class SharedAllocators:
                 raise InvalidArgument(
                     f"arena options {sorted(arena_opts)} need allocator_type=AllocatorType.ARENA"
                 )
-            allocator = make_allocator(lib, info, factory_opts or None)
+            allocator = make_allocator(lib, info, factory_opts or None, self.scope)
         else:
             from ._arena import ArenaAllocator, ArenaConfig
 
             config = ArenaConfig.from_options(arena_opts)
-            base = make_allocator(lib, info, factory_opts or None)
+            base = make_allocator(lib, info, factory_opts or None, self.scope)
             # The arena owns its base (it holds the regions and retires the base when it
             # closes), so only the arena's own buffers count as the library's live ones.
             lib.allocators.remove(base)
@@ -201,10 +209,7 @@ class SharedAllocators:
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
         dims = _normalize_shape(shape)
-        try:
-            itemsize = np.dtype(dtype).itemsize
-        except TypeError as exc:
-            raise InvalidArgument(f"empty: {dtype!r} is not a numpy dtype") from exc
+        itemsize = check_dtype("empty", dtype).itemsize
         nbytes = itemsize
         for d in dims:
             nbytes *= d

@@ -14,12 +14,24 @@ from __future__ import annotations
 import abc
 import collections
 import itertools
+import logging
 import threading
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 from ._errors import ClosedError, NotImplementedByEp
 
-__all__ = ["HostNotification", "NotificationImpl", "StreamImpl", "ThreadStream"]
+__all__ = [
+    "HostNotification",
+    "NotificationImpl",
+    "StreamImpl",
+    "ThreadStream",
+    "call_reporting",
+    "run_callbacks",
+]
+
+_log = logging.getLogger("aioep")
 
 
 class NotificationImpl(abc.ABC):
@@ -109,7 +121,23 @@ def run_callbacks(callbacks: list[Callable[[], None]]) -> None:
     """
     callbacks.reverse()
     while callbacks:
-        callbacks.pop()()
+        call_reporting(callbacks.pop())
+
+
+def call_reporting(fn: Callable[..., object], *args: Any) -> None:
+    """Call ``fn(*args)``; an exception it raises is logged (logger ``aioep``), not raised.
+
+    Done-callbacks run on whatever thread completes the work (a stream's worker, a copy
+    thread): one that raises must not stop that thread or the callbacks after it.
+    """
+    try:
+        fn(*args)
+    except Exception as exc:
+        # The text, not exc_info: a record that holds the traceback would keep the frames'
+        # objects (the future, its tensors) alive for as long as a handler keeps it.
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        del exc
+        _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
 class HostNotification(NotificationImpl):
@@ -119,7 +147,16 @@ class HostNotification(NotificationImpl):
     and by the core for copies that run without a stream.
     """
 
-    __slots__ = ("_callbacks", "_done", "_error", "_generation", "_lock", "_stream")
+    __slots__ = (
+        "_callbacks",
+        "_done",
+        "_error",
+        "_generation",
+        "_lock",
+        "_passed",
+        "_passed_waiters",
+        "_stream",
+    )
 
     def __init__(self, stream: ThreadStream | None = None) -> None:
         self._stream = stream
@@ -128,6 +165,11 @@ class HostNotification(NotificationImpl):
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
         self._generation = 0
+        # The last mark (generation) the stream reached, superseded or not, and device-side
+        # waiters for a given mark: a wait captures the mark current when it is enqueued
+        # (cuStreamWaitEvent), so re-activating later never makes it wait for a new mark.
+        self._passed = 0
+        self._passed_waiters: list[tuple[int, Callable[[], None]]] = []
 
     def activate(self) -> None:
         if self._stream is None:
@@ -156,12 +198,30 @@ class HostNotification(NotificationImpl):
     ) -> list[Callable[[], None]] | None:
         # Complete without running callbacks; returns them, or None if the mark was superseded.
         with self._lock:
-            if generation is not None and generation != self._generation:
-                return None
-            self._error = error
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        return callbacks
+            passed = self._generation if generation is None else generation
+            released: list[Callable[[], None]] = []
+            if passed > self._passed:
+                self._passed = passed
+                if self._passed_waiters:
+                    released = [fn for g, fn in self._passed_waiters if g <= passed]
+                    self._passed_waiters = [w for w in self._passed_waiters if w[0] > passed]
+            superseded = generation is not None and generation != self._generation
+            if not superseded:
+                self._error = error
+                self._done = True
+                callbacks, self._callbacks = self._callbacks, []
+        for fn in released:
+            fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
+        return None if superseded else callbacks
+
+    def _wait_passed(self, generation: int) -> None:
+        """Block (a stream's worker) until the stream passed mark ``generation``."""
+        with self._lock:
+            if self._passed >= generation:
+                return
+            event = threading.Event()
+            self._passed_waiters.append((generation, event.set))
+        event.wait()
 
     def query(self) -> bool:
         return self._done
@@ -259,8 +319,15 @@ class ThreadStream(StreamImpl):
         self._put(("op", fn, 0))
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
-        """Queue a device-side wait: work after this waits until ``notification`` completes."""
-        self._put(("wait", notification, 0))
+        """Queue a device-side wait: work after this waits until ``notification`` completes.
+
+        For a notification of a stream, the wait is for the mark it has now: activating
+        it again later moves its mark but not this wait (as ``cuStreamWaitEvent``).
+        """
+        if isinstance(notification, HostNotification) and notification._stream is not None:
+            self._put(("wait", notification, notification._generation))
+        else:
+            self._put(("wait", notification, -1))
 
     def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
         with self._lock:
@@ -337,7 +404,10 @@ class ThreadStream(StreamImpl):
                     self._run_op(obj)  # type: ignore[arg-type]
                 else:
                     # Like cuStreamWaitEvent: order only; a failure upstream is not inherited.
-                    obj.wait_on_host(None)  # type: ignore[attr-defined]
+                    if generation >= 0:
+                        obj._wait_passed(generation)  # type: ignore[attr-defined]
+                    else:
+                        obj.wait_on_host(None)  # type: ignore[attr-defined]
             finally:
                 del obj
                 with self._cond:

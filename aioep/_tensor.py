@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from ._errors import InUseError, InvalidArgument
 from ._types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
+from ._validate import MAX_DIM, check_dtype, check_int, describe
 
 if TYPE_CHECKING:
     from ._allocator import Allocator
@@ -31,6 +32,7 @@ tensors wrapped from numpy arrays."""
 # DLPack device type codes (dlpack.h): what __dlpack_device__ reports.
 _DL_CPU, _DL_CUDA, _DL_EXT_DEV = 1, 2, 12
 NVIDIA_VENDOR_ID = 0x10DE
+_MAX_PTR = (1 << 64) - 1
 
 
 class Buffer:
@@ -68,8 +70,28 @@ class Buffer:
         readonly: bool = False,
         stream: Any = None,
     ) -> None:
-        self.ptr = int(ptr)
-        self.nbytes = int(nbytes)
+        if type(ptr) is not int or type(nbytes) is not int:
+            ptr = check_int("Buffer", "ptr", ptr, maximum=_MAX_PTR)
+            nbytes = check_int("Buffer", "nbytes", nbytes, maximum=MAX_DIM)
+        if ptr <= 0 or nbytes < 0 or ptr > _MAX_PTR or nbytes > MAX_DIM:
+            if ptr == 0 and nbytes == 0:
+                pass  # an empty buffer touches no memory: null is its usual address
+            elif ptr == 0:
+                raise InvalidArgument(
+                    f"Buffer: ptr is null (0) for {nbytes} bytes; a buffer over memory needs its "
+                    "address"
+                )
+            else:
+                check_int("Buffer", "ptr", ptr, maximum=_MAX_PTR)
+                check_int("Buffer", "nbytes", nbytes, maximum=MAX_DIM)
+        if not isinstance(memory_info, MemoryInfo):
+            raise InvalidArgument(
+                f"Buffer: memory_info must be an aioep.MemoryInfo, got {describe(memory_info)}"
+            )
+        if release is not None and not callable(release):
+            raise InvalidArgument(f"Buffer: release must be callable, got {describe(release)}")
+        self.ptr = ptr
+        self.nbytes = nbytes
         self.memory_info = memory_info
         self.allocator = allocator
         self.readonly = readonly
@@ -84,6 +106,16 @@ class Buffer:
     def device(self) -> MemoryDevice:
         """The memory device this buffer lives on."""
         return self.memory_info.device
+
+    @property
+    def origin(self) -> Any:
+        """Who made this memory: the environment and library registration whose allocator
+        allocated it (``origin.library``, ``origin.scope.label``), or None for memory aioep
+        did not allocate (numpy arrays, memory imported from another framework: owned by
+        its producer, never freed by aioep). ``copy_tensors``, sessions and IOBinding take
+        device memory only from their own environment."""
+        allocator = self.allocator
+        return None if allocator is None else allocator._origin
 
     @property
     def freed(self) -> bool:
@@ -161,10 +193,7 @@ class Tensor:
         byte_offset: int = 0,
     ) -> None:
         self.shape = _normalize_shape(shape)
-        try:
-            self.dtype = np.dtype(dtype)
-        except TypeError as exc:
-            raise InvalidArgument(f"Tensor: {dtype!r} is not a numpy dtype") from exc
+        self.dtype = check_dtype("Tensor", dtype)
         if self.dtype.hasobject:
             raise InvalidArgument(f"Tensor: dtype {self.dtype} holds Python objects")
         if not isinstance(buffer, Buffer):
@@ -175,8 +204,8 @@ class Tensor:
         self._size = size
         self._nbytes = size * self.dtype.itemsize
         self.buffer = buffer
-        self.byte_offset = int(byte_offset)
-        if self.byte_offset < 0 or self.byte_offset + self.nbytes > buffer.nbytes:
+        self.byte_offset = check_int("Tensor", "byte_offset", byte_offset, maximum=MAX_DIM)
+        if self.byte_offset + self.nbytes > buffer.nbytes:
             raise InvalidArgument(
                 f"Tensor of shape {self.shape} and dtype {self.dtype} needs {self.nbytes} bytes "
                 f"at offset {self.byte_offset}, but the buffer holds {buffer.nbytes}"
@@ -412,13 +441,35 @@ def register_dlpack_exporter(vendor_id: int, exporter: Callable[[Tensor, Any], A
 
 
 def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        dims: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, Iterable):
+        raise InvalidArgument(
+            f"shape must be an int or a sequence of ints >= 0, got {describe(shape)}"
+        )
+    else:
+        try:
+            dims = tuple(shape)
+        except TypeError as exc:  # a 0-d array, an iterable that refuses to iterate
+            raise InvalidArgument(
+                f"shape must be an int or a sequence of ints >= 0, got {describe(shape)}"
+            ) from exc
     out: list[int] = []
+    size = 1
     for d in dims:
         if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0:
-            raise InvalidArgument(f"shape {tuple(dims)!r}: every dimension must be an int >= 0")
+            raise InvalidArgument(f"shape {dims!r}: every dimension must be an int >= 0")
         out.append(int(d))
+        size *= int(d)
+    if len(out) > _MAX_NDIM or size > MAX_DIM:
+        raise InvalidArgument(
+            f"shape {tuple(out)!r}: too large ({len(out)} dimensions, {size} elements; at most "
+            f"{_MAX_NDIM} dimensions and {MAX_DIM} elements)"
+        )
     return tuple(out)
+
+
+_MAX_NDIM = 64  # numpy's limit
 
 
 def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = False) -> Tensor:

@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument, NotImplementedByEp
+from ._ownership import Scope, check_owner
 from ._routes import Route, RouteCache, RouteKey
 from ._stream_impl import StreamImpl
 from ._tensor import Tensor, as_tensor
@@ -147,6 +148,7 @@ def plan_copies(
     allow_reshape: bool = False,
     routes: RouteCache | None = None,
     defer_packing: bool = False,
+    scope: Scope | None = None,
 ) -> CopyPlan:
     """Validate a batch and route each pair to a transfer; raise before anything is enqueued.
 
@@ -157,7 +159,8 @@ def plan_copies(
     un-streamed copies) and this environment. With ``defer_packing``, a large
     non-contiguous source array gets an empty contiguous staging array, filled by
     :meth:`CopyPlan.pack` where the copy runs (off the loop), instead of being
-    packed here.
+    packed here. With ``scope`` (the environment's), device tensors of another
+    environment are refused (see :func:`aioep._ownership.check_owner`).
     """
     _check_sequence("src", src)
     _check_sequence("dst", dst)
@@ -174,6 +177,11 @@ def plan_copies(
     dsts = [_tensor_arg(d, "destination", i, True) for i, d in enumerate(dst)]
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         _check_pair(i, s, d, allow_reshape)
+        if scope is not None:
+            if s.buffer.allocator is not None:
+                check_owner(s, scope, f"copy_tensors source {i}")
+            if d.buffer.allocator is not None:
+                check_owner(d, scope, f"copy_tensors destination {i}")
     _check_overlaps(srcs, dsts)
 
     table = {} if routes is None else routes.table(transfers)

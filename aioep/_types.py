@@ -10,6 +10,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ._errors import InvalidArgument
+from ._validate import check_int, check_type, describe
+
+_MAX_ID = (1 << 32) - 1  # vendor and device ids are uint32 in ORT
 
 __all__ = [
     "HOST_MEMORY_DEVICE",
@@ -62,6 +65,13 @@ class HardwareDevice:
     def __post_init__(self) -> None:
         if not isinstance(self.type, DeviceType):
             raise InvalidArgument(f"HardwareDevice.type must be a DeviceType, got {self.type!r}")
+        check_int("HardwareDevice", "vendor_id", self.vendor_id, maximum=_MAX_ID)
+        check_int("HardwareDevice", "device_id", self.device_id, maximum=_MAX_ID)
+        check_type("HardwareDevice", "vendor", self.vendor, str, "a str")
+        if not isinstance(self.metadata, Mapping):
+            raise InvalidArgument(
+                f"HardwareDevice: metadata must be a mapping, got {describe(self.metadata)}"
+            )
         if self.vendor_id < 0 or self.device_id < 0:
             raise InvalidArgument(
                 f"HardwareDevice ids must be >= 0, got vendor_id={self.vendor_id}, "
@@ -88,6 +98,8 @@ class MemoryDevice:
             raise InvalidArgument(
                 f"MemoryDevice.memory_type must be a MemoryType, got {self.memory_type!r}"
             )
+        check_int("MemoryDevice", "vendor_id", self.vendor_id, maximum=_MAX_ID)
+        check_int("MemoryDevice", "device_id", self.device_id, maximum=_MAX_ID)
         # Routing and allocator lookups hash these on every copy: compute the hash once.
         object.__setattr__(
             self,
@@ -131,6 +143,12 @@ class MemoryInfo:
     allocator_type: AllocatorType = AllocatorType.DEVICE
 
     def __post_init__(self) -> None:
+        check_type("MemoryInfo", "name", self.name, str, "a str")
+        check_type("MemoryInfo", "device", self.device, MemoryDevice, "an aioep.MemoryDevice")
+        check_int("MemoryInfo", "alignment", self.alignment, minimum=1, maximum=1 << 30)
+        check_type(
+            "MemoryInfo", "allocator_type", self.allocator_type, AllocatorType, "an AllocatorType"
+        )
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise InvalidArgument(
                 f"MemoryInfo {self.name!r}: alignment must be a power of two, got {self.alignment}"

@@ -31,9 +31,9 @@ What it shows:
   ``.npy`` body (what a real client sends: no float parsing), both answering with every
   output; a wrong shape or dtype is a 422 that names what the model expects.
 
-Request handlers run in tasks that do not inherit the lifespan's context, so they use
-the environment object kept in ``app.state`` (``env.copy_tensors``), not the
-context-bound ``aioep.copy_tensors``.
+Request handlers use the environment object kept in ``app.state``
+(``env.copy_tensors``); the module-level ``aioep.copy_tensors`` works there too (it finds
+the one open environment, although request tasks do not inherit the lifespan's context).
 """
 
 from __future__ import annotations

@@ -198,9 +198,16 @@ async def test_freed_buffer_is_rejected() -> None:
 async def test_stream_from_another_environment() -> None:
     async with aioep.Environment(autoload=False) as other:
         (dev,) = other.register_library("fake", FakeGpuFactory)
-        async with other.create_sync_stream(dev) as stream, aioep.Environment(autoload=False):
+        async with (
+            other.create_sync_stream(dev) as stream,
+            aioep.Environment(autoload=False) as inner,
+        ):
             with pytest.raises(aioep.InvalidArgument, match="does not belong"):
-                aioep.copy_tensors([np.ones(2)], [np.zeros(2)], stream)
+                inner.copy_tensors([np.ones(2)], [np.zeros(2)], stream)
+            # The module-level function copies in the environment that owns the stream.
+            out = np.zeros(2)
+            await aioep.copy_tensors([np.ones(2)], [out], stream)
+            assert out.tolist() == [1.0, 1.0]
             with pytest.raises(aioep.InvalidArgument, match="must be a SyncStream"):
                 aioep.copy_tensors([np.ones(2)], [np.zeros(2)], "s")  # type: ignore[arg-type]
 

@@ -57,16 +57,36 @@ class SimFactory(EpFactory):
             InvalidArgument: the memory is not one of this factory's devices.
         """
         md = memory.device if isinstance(memory, MemoryInfo) else memory
-        if (
-            not isinstance(md, MemoryDevice)
-            or md.vendor_id != SIM_VENDOR_ID
-            or not 0 <= md.device_id < len(self.devices)
-        ):
-            raise InvalidArgument(f"sim backend: {memory!r} is not memory of a sim device")
-        return self.devices[md.device_id]
+        dev = None
+        if isinstance(md, MemoryDevice) and md.vendor_id == SIM_VENDOR_ID:
+            dev = next((d for d in self.devices if d.device_id == md.device_id), None)
+        if dev is None:
+            raise InvalidArgument(
+                f"sim backend: {memory!r} is not memory of a device of this sim factory"
+            )
+        return dev
 
     def get_supported_devices(self, hardware: Sequence[HardwareDevice]) -> list[EpDevice]:
         # The sim brings its own hardware: the devices exist because the options say so.
+        # Each factory instance is separate hardware with its own memory: where the
+        # environment already has sim devices (the factory registered twice, under two
+        # names), this one numbers its devices after them, so that no memory device of
+        # one instance compares equal to one of the other (routing goes by memory device:
+        # a copy for one instance's memory can never reach the other's transfer).
+        ours = {id(d.hardware) for d in self.devices}  # identity: equal hardware is not ours
+        taken = [
+            h.device_id for h in hardware if h.vendor_id == SIM_VENDOR_ID and id(h) not in ours
+        ]
+        if taken and any(d.device_id in taken for d in self.devices):
+            if any(d.memory.live_allocations for d in self.devices):
+                raise InvalidArgument(
+                    "sim backend: this factory's devices are in use and their ids collide "
+                    "with sim devices already registered; use a new SimFactory"
+                )
+            first = max(taken) + 1
+            self.devices = tuple(
+                SimDevice(first + i, self.options) for i in range(self.options.num_devices)
+            )
         return [
             EpDevice(
                 self,
