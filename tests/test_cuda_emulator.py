@@ -207,33 +207,46 @@ def test_pinned_memory_flags_and_pointer_attributes(cuda: Cuda) -> None:
     cuda.ok(drv.cuMemFree(d))
 
 
-def test_out_of_memory_and_double_free(cuda: Cuda) -> None:
+def test_out_of_memory(cuda: Cuda) -> None:
     free, total = cuda.ok(drv.cuMemGetInfo())
     assert 0 < free <= total
     assert drv.cuMemAlloc(total * 4)[0] == R.CUDA_ERROR_OUT_OF_MEMORY
     d = cuda.ok(drv.cuMemAlloc(1024))
     cuda.ok(drv.cuMemFree(d))
-    assert drv.cuMemFree(d)[0] == R.CUDA_ERROR_INVALID_VALUE
 
 
 # -- the emulator only ----------------------------------------------------------------------
 @emulator_only
-def test_bad_handles_and_freed_pointers_are_errors(cuda: Cuda) -> None:
+def test_stale_handles_are_recorded_misuses_when_not_aborting(cuda: Cuda) -> None:
+    """With ``abort_on_misuse`` 0 a stale handle or freed pointer fails the call and is
+    recorded as a violation naming the call; handle values are never reused, so a stale one
+    is caught however many objects were made since."""
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
     s = cuda.stream()
     ev = cuda.ok(drv.cuEventCreate(2))
     d = cuda.ok(drv.cuMemAlloc(64))
     cuda.ok(drv.cuEventDestroy(ev))
     cuda.ok(drv.cuStreamDestroy(s))
+    misuses = emu.get("misuses")
     assert drv.cuStreamQuery(s)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert "cuStreamQuery: stream" in str(emu.take_violation())
     assert drv.cuEventQuery(ev)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert "destroyed by cuEventDestroy" in str(emu.take_violation())
     assert drv.cuStreamDestroy(s)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert emu.get("misuses") == misuses + 3
+    # a value that was never a handle is an ordinary error, not a misuse
     assert drv.cuStreamQuery(drv.CUstream(0x1234_5678))[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert emu.get("misuses") == misuses + 3
     cuda.ok(drv.cuMemFree(d))
     t = cuda.stream()
     host = np.zeros(64, dtype=np.uint8)
     assert drv.cuMemcpyAsync(host.ctypes.data, d, 64, t)[0] == R.CUDA_ERROR_INVALID_VALUE
-    assert int(t) == int(s)  # handle values are reused, as the driver reuses its pointers
+    assert "freed by cuMemFree" in str(emu.take_violation())
+    assert int(t) != int(s)  # never reused
     cuda.ok(drv.cuStreamDestroy(t))
+    emu.take_violation()
 
 
 @emulator_only
