@@ -2237,10 +2237,8 @@ static CUresult copy_on(const char *call, stream_t *s, CUdeviceptr dst, CUdevice
         memcpy(o->staging, r.p, n);
         throttle(n); /* staging runs at the copy's speed too */
         pthread_mutex_lock(&g_mu);
-        if (watched) {
-            st.watched_blocking++;
+        if (watched) /* host work, not a wait: counted in watched_pageable, not blocking */
             st.watched_blocking_ns += (long long)(now_ns() - t0);
-        }
         if (s->destroyed || !s->ctx->active) {
             free(o->staging);
             free(o);
