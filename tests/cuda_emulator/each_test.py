@@ -27,8 +27,7 @@ def test_functions(path: Path) -> list[str]:
     return [
         node.name
         for node in tree.body
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.name.startswith("test")
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test")
     ]
 
 
@@ -48,11 +47,15 @@ def run_one(path: Path, name: str, timeout: float) -> tuple[str, str]:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (
-            exc.stdout or ""
+        out = (
+            (exc.stdout or b"").decode(errors="replace")
+            if isinstance(exc.stdout, bytes)
+            else (exc.stdout or "")
         )
-        err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) else (
-            exc.stderr or ""
+        err = (
+            (exc.stderr or b"").decode(errors="replace")
+            if isinstance(exc.stderr, bytes)
+            else (exc.stderr or "")
         )
         return "hang", _stacks(out + err)
     said = done.stdout + done.stderr
@@ -66,7 +69,7 @@ def run_one(path: Path, name: str, timeout: float) -> tuple[str, str]:
     if done.returncode == 0:
         return ("skip" if "skipped" in summary and "passed" not in summary else "pass"), summary
     failures = [line for line in said.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
-    return "fail", "\n".join(failures[:12] + [summary])
+    return "fail", "\n".join([*failures[:12], summary])
 
 
 def _python_stack(said: str) -> str:

@@ -2,6 +2,7 @@
 the strict emulated driver with the event-loop thread marked.
 
     python tests/cuda_emulator/loop_copies.py [--bandwidth BYTES_PER_S] [--rounds N]
+                                              [--empty-on-stream]
 
 One stream; for sizes from 1 byte to 16 MiB and five dtypes, fresh random data is copied
 pageable numpy -> device -> device -> pinned -> numpy, each copy awaited, the previous
@@ -20,13 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-from cuda_emulator import load  # noqa: E402
+import numpy as np
+
+from cuda_emulator import load
 
 DTYPES = ("uint8", "float16", "float32", "int64", "float64")
 
 
-async def run(rounds: int) -> int:
+async def run(rounds: int, on_stream: bool) -> int:
     import aioep
     from aioep import MemoryType
 
@@ -37,7 +39,8 @@ async def run(rounds: int) -> int:
         gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
         device = gpu.memory_info(MemoryType.DEFAULT)
         pinned = gpu.memory_info(MemoryType.HOST_ACCESSIBLE)
-        assert device is not None and pinned is not None
+        assert device is not None
+        assert pinned is not None
         rng = np.random.default_rng(7)
         async with env.create_sync_stream(gpu) as stream:
             for _ in range(rounds):
@@ -45,9 +48,10 @@ async def run(rounds: int) -> int:
                     for dtype in DTYPES:
                         n = max(1, size // np.dtype(dtype).itemsize)
                         src = rng.integers(0, 255, size=n).astype(dtype)
-                        a = env.empty(src.shape, src.dtype, device)
-                        b = env.empty(src.shape, src.dtype, device)
-                        p = env.empty(src.shape, src.dtype, pinned)
+                        at = stream if on_stream else None
+                        a = env.empty(src.shape, src.dtype, device, stream=at)
+                        b = env.empty(src.shape, src.dtype, device, stream=at)
+                        p = env.empty(src.shape, src.dtype, pinned, stream=at)
                         out = np.zeros_like(src)
                         await env.copy_tensors([src], [a], stream=stream)
                         await env.copy_tensors([a], [b], stream=stream)
@@ -64,11 +68,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", type=int, default=2 << 30, help="bytes/s per copy")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--empty-on-stream",
+        action="store_true",
+        help="allocate the tensors on the stream (env.empty(..., stream=stream))",
+    )
     args = parser.parse_args()
     emu = load(devices=1)  # before aioep_cuda loads the driver
     emu.set("bandwidth", args.bandwidth)
     emu.set("host_wait_limit_ns", 20_000_000_000)
-    cases = asyncio.run(run(args.rounds))
+    cases = asyncio.run(run(args.rounds, args.empty_on_stream))
     print(f"ok: {cases} cases bit-exact, the loop never waited in the driver")
     return 0
 
