@@ -822,3 +822,23 @@ def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
     cuda.ok(drv.cuMemFreeHost(pinned))
     for x in (s, t):
         cuda.ok(drv.cuStreamDestroy(x))
+
+
+@emulator_only
+def test_the_watched_thread_can_count_as_a_loop_thread(cuda: Cuda) -> None:
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
+    emu.set("watch_tid", threading.get_native_id())
+    s = cuda.stream()
+    misuses = emu.get("misuses")
+    cuda.ok(drv.cuStreamSynchronize(s))
+    assert emu.get("misuses") == misuses  # watched only: counted, not refused
+    emu.set("watch_is_loop", 1)
+    cuda.ok(drv.cuStreamSynchronize(s))
+    assert emu.get("misuses") == misuses + 1
+    violation = emu.take_violation()
+    assert violation is not None
+    assert "cuStreamSynchronize called on the marked event-loop thread" in violation
+    emu.set("watch_is_loop", 0)  # the fixture releases the context on this thread
+    cuda.ok(drv.cuStreamDestroy(s))

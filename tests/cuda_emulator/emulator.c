@@ -130,6 +130,7 @@ static struct {
     long long abort_on_misuse;        /* 1: a misuse aborts the process; 0: a violation */
     long long strict_loop_sync;       /* a synchronising call with work in flight while a loop
                                          thread is marked is a misuse */
+    long long watch_is_loop;          /* the watch_tid thread counts as a marked loop thread */
 } cfg;
 
 static struct {
@@ -172,6 +173,7 @@ static void set_defaults(void) {
     cfg.pageable_staging_limit = env_ll("CUEMU_PAGEABLE_STAGING_LIMIT", 4LL << 20);
     cfg.abort_on_misuse = env_ll("CUEMU_ABORT_ON_MISUSE", 1);
     cfg.strict_loop_sync = env_ll("CUEMU_STRICT_LOOP_SYNC", 1);
+    cfg.watch_is_loop = env_ll("CUEMU_WATCH_IS_LOOP", 0);
 }
 
 __attribute__((constructor)) static void emulator_init(void) {
@@ -250,11 +252,19 @@ static void misuse(const char *fmt, ...) {
 #define MAX_LOOP_THREADS 16
 static long g_loop_tids[MAX_LOOP_THREADS];
 
+/* watch_is_loop (CUEMU_WATCH_IS_LOOP=1): the watch_tid thread counts as marked too, so a
+ * test suite that watches its event loop (tests/test_cuda.py) runs under rule 5 unchanged. */
 static int is_loop_thread(long tid) {
+    if (cfg.watch_is_loop && cfg.watch_tid && tid == cfg.watch_tid)
+        return 1;
     for (int i = 0; i < MAX_LOOP_THREADS; i++)
         if (g_loop_tids[i] == tid)
             return 1;
     return 0;
+}
+
+static int any_loop_thread(void) {
+    return st.loop_threads || (cfg.watch_is_loop && cfg.watch_tid);
 }
 
 /* Rule 5: a call from a marked event-loop thread that has to wait for the device (lock held). */
@@ -262,7 +272,7 @@ static void loop_waits(const char *call, const char *why) {
     long me = my_tid();
     if (cfg.watch_tid && me == cfg.watch_tid)
         st.watched_blocking++; /* the watched thread made a call that waits (or would) */
-    if (st.loop_threads && is_loop_thread(me))
+    if (any_loop_thread() && is_loop_thread(me))
         misuse("%s called on the marked event-loop thread (tid %ld) waits for the device: %s",
                call, me, why);
 }
@@ -852,7 +862,7 @@ static int wait_behind_sync(ctx_t *c, const char *call) {
     long me = my_tid();
     if (!c || !c->sync_owner || c->sync_owner == me)
         return 0;
-    if (st.loop_threads && is_loop_thread(me))
+    if (any_loop_thread() && is_loop_thread(me))
         misuse("%s called on the marked event-loop thread (tid %ld) waits behind %s on thread "
                "%ld, which synchronises device %d's context (until every stream is idle) and "
                "holds the context meanwhile",
@@ -888,7 +898,7 @@ static void sync_begin(ctx_t *c, const char *call, int check) {
     c->sync_owner = me;
     c->sync_call = call;
     st.sync_calls++;
-    if (check && cfg.strict_loop_sync && st.loop_threads && !is_loop_thread(me) &&
+    if (check && cfg.strict_loop_sync && any_loop_thread() && !is_loop_thread(me) &&
         work_in_flight(c))
         misuse("%s on thread %ld synchronises device %d's context while work is in flight and "
                "an event-loop thread is marked: until that work is done, every driver call on "
@@ -2685,6 +2695,7 @@ static long long *cfg_field(const char *key) {
     if (!strcmp(key, "pageable_staging_limit")) return &cfg.pageable_staging_limit;
     if (!strcmp(key, "abort_on_misuse")) return &cfg.abort_on_misuse;
     if (!strcmp(key, "strict_loop_sync")) return &cfg.strict_loop_sync;
+    if (!strcmp(key, "watch_is_loop")) return &cfg.watch_is_loop;
     return NULL;
 }
 
