@@ -69,6 +69,9 @@ def run_one(path: Path, name: str, timeout: float) -> tuple[str, str]:
     if done.returncode == 0:
         return ("skip" if "skipped" in summary and "passed" not in summary else "pass"), summary
     failures = [line for line in said.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
+    # recorded misuses (abort_on_misuse=0): every distinct one, not only the last violation
+    for line in dict.fromkeys(line.strip(". ") for line in said.splitlines() if "MISUSE" in line):
+        failures.insert(0, line)
     return "fail", "\n".join([*failures[:12], summary])
 
 
