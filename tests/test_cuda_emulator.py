@@ -801,7 +801,8 @@ def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
         cuda.ok(drv.cuMemcpyAsync(dev, small.ctypes.data, 4096, s))  # staged
         cuda.ok(drv.cuMemcpyAsync(dev, pinned, 4096, s))
         cuda.ok(drv.cuMemcpyAsync(pinned, dev, 4096, s))
-        cuda.ok(drv.cuMemsetD32(dev, 7, 16))  # device memory: asynchronous
+        plain = cuda.ok(drv.cuMemAlloc(64))
+        cuda.ok(drv.cuMemsetD32(plain, 7, 16))  # device memory: asynchronous for the host
         cuda.ok(drv.cuMemsetD32Async(dev, 7, 16, s))
         cuda.ok(drv.cuEventRecord(ev, s))
         cuda.ok(drv.cuStreamWaitEvent(t, ev, 0))
@@ -820,6 +821,7 @@ def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
     cuda.ok(drv.cuStreamSynchronize(t))  # unmarked: waiting is fine
     assert emu.get("misuses") == misuses + 1
     assert sem.value == 1
+    cuda.ok(drv.cuMemFree(plain))
     cuda.ok(drv.cuEventDestroy(ev))
     cuda.ok(drv.cuMemFreeHost(pinned))
     for x in (s, t):
