@@ -842,7 +842,7 @@ async def test_closing_a_stream_while_a_gate_release_is_pending(
             await down
     np.testing.assert_array_equal(out, data)
     assert await anyio.to_thread.run_sync(impl.gate_released.wait, 10)
-    assert slot in impl.device._gate_free
+    assert impl.device.gate_slot_is_free(slot)
     await stream.aclose()
 
 

@@ -57,6 +57,31 @@ class CudaStream(StreamImpl):
         self.gate_errors: dict[int, BaseException] = {}
         self.gate_released = threading.Event()
         """Set once the gate word (if any) is back with the device after :meth:`close`."""
+        self.alloc_seen = 0  # the helper stream's allocation generation this stream waited for
+
+    def fence(self) -> None:
+        """Before using memory: wait on the device for allocations made without a stream
+        (never blocks the host; see :meth:`SharedDevice.fence`). Call with :attr:`lock` held."""
+        self.alloc_seen = self.device.shared.fence(self.cu, self.alloc_seen)
+
+    def mark(self) -> Any | None:
+        """A pooled event recorded on this stream now (the caller gives it back to
+        ``device.events``), or None once the stream is closed or the record failed."""
+        drv = driver()
+        with self.lock:
+            if self.closed:
+                return None
+            try:
+                event = self.device.events.take()
+            except DeviceError:
+                return None
+            with ctx_current(self.device.ctx):
+                err = drv.cuEventRecord(event, self.cu)[0]
+            if err != drv.CUresult.CUDA_SUCCESS:
+                self.device.events.give(event)
+                return None
+            self.enqueued()
+            return event
 
     @property
     def handle(self) -> int:
@@ -191,6 +216,8 @@ class CudaNotification(NotificationImpl):
             self._arm(gen)
 
     def wait_on_device(self, stream: StreamImpl) -> None:
+        if self._stream.device.events.dead:
+            raise DeviceError(f"{self._stream!r}: the CUDA device was closed")
         if isinstance(stream, CudaStream):
             drv = driver()
             with stream.lock, ctx_current(stream.device.ctx):
@@ -211,6 +238,8 @@ class CudaNotification(NotificationImpl):
 
     # -- completion ------------------------------------------------------------------------
     def _query_event(self, *, retried: bool = False) -> tuple[bool, BaseException | None]:
+        if self._stream.device.events.dead:
+            return True, DeviceError(f"{self._stream!r}: the CUDA device was closed")
         drv = driver()
         err = drv.cuEventQuery(self._event)[0]
         if err == drv.CUresult.CUDA_SUCCESS:
