@@ -37,6 +37,7 @@ needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
 REAL_GPU = DRIVER.kind == "real"
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def emulated_devices(count: int) -> Callable[[_F], _F]:
@@ -62,11 +63,30 @@ def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
     with emulator.devices(getattr(request.function, "emulated_devices", 1)):
         emulator.set("watch_tid", threading.get_native_id())
         emulator.set("host_wait_limit_ns", 20_000_000_000)  # a hung wait fails, never hangs
+        blocked = emulator.get("watched_blocking")
         yield DRIVER
         gc.collect()
+        blocked = emulator.get("watched_blocking") - blocked
+        _join_releases()
     violation = emulator.take_violation()
     if violation:
         pytest.fail(f"the CUDA emulator saw a violation: {violation}")
+    if blocked and not getattr(request.function, "loop_may_wait", False):
+        pytest.fail(f"the event-loop thread waited in the CUDA driver {blocked} time(s)")
+
+
+def loop_may_wait(fn: _F) -> _F:
+    """The test exercises a documented path where the caller's thread waits in the driver."""
+    fn.loop_may_wait = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _join_releases() -> None:
+    """Wait (bounded) for shared device states being released on their own thread (memory
+    that outlived its environment came back): then no context is retained any more."""
+    for thread in threading.enumerate():
+        if thread.name == "aioep-cuda-release":
+            thread.join(20)
 
 
 # -- options (no GPU needed) ----------------------------------------------------------------
@@ -621,51 +641,59 @@ _GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 
 @contextlib.contextmanager
 def _held(stream: aioep.SyncStream) -> Iterator[Callable[[], None]]:
-    """Hold ``stream`` back on the device (``cuStreamWaitValue32`` on a device word) until the
-    returned ``release()`` is called (``cuMemsetD32``) or the block ends. Same on the real
-    driver and the emulator; the host never blocks."""
+    """Hold ``stream`` back on the device until the returned ``release()`` is called or the
+    block ends (see :func:`_hold`)."""
+    impl = stream.impl
+    with _hold(impl.device, impl.cu, impl.lock, impl.enqueued) as release:
+        yield release
+
+
+@contextlib.contextmanager
+def _hold(
+    dev: Any, cu: Any, lock: Any = None, enqueued: Callable[[], None] | None = None
+) -> Iterator[Callable[[], None]]:
+    """Hold the stream ``cu`` of ``dev`` back on the device (``cuStreamWaitValue32`` on a word
+    of mapped pinned memory from the device's pool) until ``release()`` writes the word from
+    the host. Same on the real driver and the emulator; no driver call that waits, and
+    nothing allocated or destroyed outside the backend's pools."""
     from aioep_cuda._driver import check, ctx_current, driver
 
-    impl = stream.impl
-    dev = impl.device
     drv = driver()
-    with ctx_current(dev.ctx):
-        word = check(drv.cuMemAlloc(4), "cuMemAlloc")
-        check(drv.cuMemsetD32(word, 0, 1), "cuMemsetD32")
-        passed = check(drv.cuEventCreate(0), "cuEventCreate")
-        with impl.lock:
-            err = drv.cuStreamWaitValue32(impl.cu, word, 1, _GEQ)[0]
+    block = dev.pinned.take(4)
+    word = ctypes.c_uint32.from_address(block.ptr)
+    word.value = 0
+    with contextlib.ExitStack() as stack:
+        if lock is not None:
+            stack.enter_context(lock)
+        with ctx_current(dev.ctx):
+            err = drv.cuStreamWaitValue32(cu, block.ptr, 1, _GEQ)[0]
             if err == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
-                drv.cuMemFree(word)
+                dev.pinned.give(block)
                 pytest.skip("this driver has no stream memory operations")
             check(err, "cuStreamWaitValue32")
-            check(drv.cuEventRecord(passed, impl.cu), "cuEventRecord")
-            impl.enqueued()
-            impl.enqueued()
-    released = False
+            passed = dev.events.take()
+            check(drv.cuEventRecord(passed, cu), "cuEventRecord")
+        if enqueued is not None:
+            enqueued()
+            enqueued()
 
     def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            with ctx_current(dev.ctx):
-                check(drv.cuMemsetD32(word, 1, 1), "cuMemsetD32")
+        word.value = 1
 
     try:
         yield release
     finally:
         release()
-        # Free the word once the stream is past the wait; if it never gets there (the test
-        # failed), leak it rather than hang in cuMemFree's synchronisation.
+        # The word goes back to the pool once the stream is past the wait; if it never gets
+        # there (the test failed), it stays taken rather than be reused under the wait.
         deadline = time.monotonic() + 10
         while drv.cuEventQuery(passed)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.001)
         else:
-            with ctx_current(dev.ctx):
-                drv.cuMemFree(word)
-                drv.cuEventDestroy(passed)
+            dev.pinned.give(block)
+            dev.events.give(passed)
 
 
 def _emulator_stat(key: str) -> int:
@@ -901,7 +929,7 @@ async def test_wake_comes_from_the_driver_thread_without_the_gil(
         assert impl.hostfn_failures == 0
 
 
-async def anyio_to_thread(fn: Callable[..., bool], *args: Any) -> bool:
+async def anyio_to_thread(fn: Callable[..., _T], *args: Any) -> _T:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(fn, *args)
@@ -925,8 +953,16 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
     host[...] = np.arange(host.size, dtype=np.uint32)
     async with env.create_sync_stream(gpu) as stream:
         ctx = stream.impl.device.ctx
-        with ctx_current(ctx):
-            check(drv.cuMemHostRegister(region.ctypes.data, region.nbytes, 0), "cuMemHostRegister")
+
+        def register() -> None:
+            with ctx_current(ctx):
+                check(drv.cuMemHostRegister(region.ctypes.data, region.nbytes, 0), "register")
+
+        def unregister() -> None:  # synchronises the device: never on the event loop
+            with ctx_current(ctx):
+                check(drv.cuMemHostUnregister(region.ctypes.data), "cuMemHostUnregister")
+
+        await anyio_to_thread(register)
         try:
             dev = env.empty(host.shape, host.dtype, _mem(gpu), stream=stream)
             pageable = _emulator_stat("pageable_copies")
@@ -936,8 +972,7 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
             assert _emulator_stat("pageable_copies") == pageable
             del dev
         finally:
-            with ctx_current(ctx):
-                check(drv.cuMemHostUnregister(region.ctypes.data), "cuMemHostUnregister")
+            await anyio_to_thread(unregister)
     np.testing.assert_array_equal(out, host)
 
 
@@ -968,6 +1003,7 @@ async def test_failed_host_function_launch_falls_back_to_polling(
 @pytest.mark.gpu
 @needs_gpu
 @needs_emulator
+@loop_may_wait  # the documented fallback: the caller's thread issues the pageable copies
 async def test_without_stream_memory_operations_pageable_copies_still_arrive(
     env: aioep.Environment, gpu: aioep.EpDevice
 ) -> None:
