@@ -95,12 +95,17 @@ class CudaStream(StreamImpl):
         self.seq += 1
 
     def gate_errors_between(self, lo: int, hi: int) -> BaseException | None:
-        """The first pageable-copy failure with a gate value in ``(lo, hi]``."""
+        """The first pageable-copy failure with a gate value in ``(lo, hi]``, as a new
+        exception: the one kept here is never raised (a raise would attach the awaiting
+        frames, and this long-lived stream would keep their tensors alive)."""
         if not self.gate_errors:
             return None
         for value in sorted(self.gate_errors):
             if lo < value <= hi:
-                return self.gate_errors[value]
+                kept = self.gate_errors[value]
+                return DeviceError(str(kept)) if isinstance(kept, DeviceError) else DeviceError(
+                    f"{type(kept).__name__}: {kept}"
+                )
         return None
 
     def close(self) -> None:

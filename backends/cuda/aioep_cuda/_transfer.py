@@ -93,15 +93,15 @@ class PageableCopier:
         self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
     ) -> None:
         dev = stream.device
-        side = int(dev.side_stream())
         try:
+            side = int(dev.side_stream())
             with ctx_current(dev.ctx):
                 for dst, src, n in jobs:
                     check(
                         call_nogil("cuMemcpyAsync", dst, src, n, side), "cuMemcpyAsync (pageable)"
                     )
         except BaseException as exc:
-            stream.gate_errors[value] = exc
+            stream.gate_errors[value] = exc.with_traceback(None)
         finally:
             self._release(stream, addr, value)
 
@@ -116,7 +116,7 @@ class PageableCopier:
                     "cuStreamWriteValue32",
                 )
         except BaseException as exc:  # the context is broken: S fails with it too
-            stream.gate_errors.setdefault(value, exc)
+            stream.gate_errors.setdefault(value, exc.with_traceback(None))
 
     def close(self) -> None:
         """Finish queued jobs, then stop the thread; idempotent. A gate whose prerequisites
@@ -334,8 +334,10 @@ class CudaDataTransfer(DataTransfer):
             int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
         )[0]
         if err != drv.CUresult.CUDA_SUCCESS:
-            # Unsupported here: the job never runs; fall back for good.
             self._pageable.untrack(job)
+            if err != drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a broken context, say
+                raise DeviceError(f"cuStreamWaitValue32 on {stream!r} failed: {error_name(err)}")
+            # Unsupported here: the job never runs; fall back for good.
             self._stream_mem_ops = False
             return False
         stream.gate_value = value
