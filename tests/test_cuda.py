@@ -60,6 +60,15 @@ def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
         yield DRIVER
         return
     emulator.take_violation()
+    with contextlib.ExitStack() as marked:
+        if not getattr(request.function, "loop_may_wait", False):
+            # The test's thread runs the event loop: the emulator aborts if it ever has to
+            # wait in the driver (for the device, or behind another thread's synchronisation).
+            marked.enter_context(emulator.loop_thread())
+        yield from _emulated(request, emulator)
+
+
+def _emulated(request: pytest.FixtureRequest, emulator: Any) -> Iterator[Driver]:
     with emulator.devices(getattr(request.function, "emulated_devices", 1)):
         emulator.set("watch_tid", threading.get_native_id())
         emulator.set("host_wait_limit_ns", 20_000_000_000)  # a hung wait fails, never hangs

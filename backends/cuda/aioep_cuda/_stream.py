@@ -125,9 +125,7 @@ class CudaStream(StreamImpl):
                 except DeviceError:  # a broken context: nothing will wait on the word again
                     end = None
             self.closed = True
-            drv = driver()
-            with ctx_current(self.device.ctx):
-                drv.cuStreamDestroy(self.cu)
+            self.device.shared.destroy_stream(self.cu)
         self.dispatcher.retire(self.key)
         if gate is None:
             self.gate_released.set()
