@@ -112,6 +112,8 @@ def _join_releases() -> None:
         ({"pool_release_threshold": "lots"}, "pool_release_threshold"),
         ({"pool_release_threshold": 1.5}, "pool_release_threshold"),
         ({"pool_release_threshold": True}, "pool_release_threshold"),
+        ({"pinned_pool_limit": -2}, "pinned_pool_limit"),
+        ({"pinned_pool_limit": "big"}, "pinned_pool_limit"),
     ],
 )
 def test_bad_options_are_invalid_argument(options: dict[str, Any], fragment: str) -> None:
@@ -121,9 +123,16 @@ def test_bad_options_are_invalid_argument(options: dict[str, Any], fragment: str
 
 def test_good_options_parse() -> None:
     opts = CudaOptions.from_options(
-        {"allocator": "sync", "wake": "poll", "pool_release_threshold": "1024"}
+        {
+            "allocator": "sync",
+            "wake": "poll",
+            "pool_release_threshold": "1024",
+            "pinned_pool_limit": "0x100000",
+        }
     )
-    assert opts == CudaOptions(allocator="sync", wake="poll", pool_release_threshold=1024)
+    assert opts == CudaOptions(
+        allocator="sync", wake="poll", pool_release_threshold=1024, pinned_pool_limit=1 << 20
+    )
     assert CudaOptions.from_options(None) == CudaOptions()
 
 
@@ -1393,14 +1402,16 @@ async def test_memory_outliving_its_environment_keeps_the_context_until_dropped(
     """A device tensor and a view of a pinned one kept past the environment's close: the
     context stays retained while they live (the pinned view stays usable), and their late
     release gives everything back and releases it, off the event loop."""
-    with pytest.warns(ResourceWarning, match="live buffer"):
-        async with aioep.Environment(backends=["cuda"]) as env:
-            gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
-            device_tensor = env.empty((1 << 10,), "float32", _mem(gpu))
-            pinned = env.empty((1 << 10,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
-            view = pinned.numpy()
-            pinned.buffer.free()
-            del pinned
+    env = aioep.Environment(backends=["cuda"])
+    async with env:
+        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+        device_tensor = env.empty((1 << 10,), "float32", _mem(gpu))
+        pinned = env.empty((1 << 10,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+        view = pinned.numpy()
+        pinned.buffer.free()
+        del pinned
+        with pytest.warns(ResourceWarning, match="live buffer"):
+            await env.aclose()
     assert _context_retained()
     view[...] = 3
     assert (view == 3).all()

@@ -392,8 +392,7 @@ class CudaDevice:
             )
         )
         self.shared = acquire_shared(ordinal, self.cu_device)
-        if pinned_pool_limit != -1 or self.shared.users == 1:
-            self.shared.pinned.limit = pinned_pool_limit
+        self.shared.pinned.limit = pinned_pool_limit  # per process: the last opened sets it
         self.ctx = self.shared.ctx
         self.events = self.shared.events
         self._released = False

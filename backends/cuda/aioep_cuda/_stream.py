@@ -85,6 +85,16 @@ class CudaStream(StreamImpl):
 
     @property
     def handle(self) -> int:
+        """The ``CUstream`` as an int. Before handing it out, the stream is made to wait (on
+        the device) for allocations made without a stream so far, so that work another library
+        enqueues on it sees them (as the backend's own copies do)."""
+        if self.alloc_seen < self.device.shared.alloc_gen and not self.closed:
+            with self.lock:
+                if not self.closed:
+                    try:
+                        self.fence()
+                    except DeviceError:  # a broken context: the work will fail anyway
+                        pass
         return self._handle
 
     def create_notification(self) -> CudaNotification:
@@ -103,8 +113,10 @@ class CudaStream(StreamImpl):
         for value in sorted(self.gate_errors):
             if lo < value <= hi:
                 kept = self.gate_errors[value]
-                return DeviceError(str(kept)) if isinstance(kept, DeviceError) else DeviceError(
-                    f"{type(kept).__name__}: {kept}"
+                return (
+                    DeviceError(str(kept))
+                    if isinstance(kept, DeviceError)
+                    else DeviceError(f"{type(kept).__name__}: {kept}")
                 )
         return None
 
