@@ -3,7 +3,24 @@
  *
  * It is not a GPU and not a product target: the real NVIDIA driver is. It exists so that
  * the CUDA backend (backends/cuda) runs its GPU tests on every CI machine, with real
- * asynchrony, and fails them for the reasons a GPU would:
+ * asynchrony, and fails them for the reasons a GPU would. It is STRICT where the real
+ * driver crashes, hangs or blocks (README.md, "Strict rules"; each rule is implemented where
+ * its comment says "rule N"):
+ *
+ *   1. cuMemFree / cuMemFreeHost / cuMemHostUnregister / cuCtxSynchronize / the last
+ *      cuDevicePrimaryCtxRelease wait until every stream of the context is idle and hold the
+ *      context meanwhile: other threads' calls on it wait behind them (sync_begin);
+ *   2. a pageable cuMemcpyAsync larger than pageable_staging_limit (4 MiB) returns only once
+ *      its stream has done it; smaller ones are staged (copy_on);
+ *   3. a handle (context, stream, event, device or pinned memory) used after it or its
+ *      context was destroyed aborts: handle values are never reused and freed memory stays
+ *      a tombstone (handle_use, check_ptr);
+ *   4. a driver call from a host function aborts (hostfn_calls);
+ *   5. a thread marked as an event loop (cuemu_mark_loop_thread) that would wait in the
+ *      driver aborts, by the kind of call, never by timing (loop_waits, wait_behind_sync).
+ *   A misuse prints one line naming the call and aborts (abort_on_misuse = 0: a violation).
+ *
+ * What it emulates:
  *
  *   - every stream is a native worker thread that runs its queue strictly in order;
  *   - events record a point in a stream; query / synchronize / elapsed time; a
@@ -16,9 +33,9 @@
  *     accident and work that touches freed memory faults (a sticky
  *     CUDA_ERROR_ILLEGAL_ADDRESS, counted as a violation);
  *   - pinned memory (cuMemHostAlloc, cuMemHostRegister, with their flags) and pageable
- *     memory: a pageable host-to-device copy stages the source on the calling thread, a
- *     pageable device-to-host copy blocks the caller until the stream has done it;
- *   - cuMemFree / cuMemFreeHost synchronize the device, like the real calls;
+ *     memory: a small pageable host-to-device copy stages the source on the calling thread,
+ *     a large one and a pageable device-to-host copy block the caller until the stream has
+ *     done it;
  *   - error codes for bad handles, freed pointers and out-of-memory, a configurable memory
  *     limit, a bandwidth and latency model, and fault injection.
  *
@@ -217,6 +234,13 @@ static void misuse(const char *fmt, ...) {
             n = (int)sizeof line - 1;
         if (write(2, line, (size_t)n) < 0) {
         }
+        /* pytest captures fd 2 during a test (and an abort loses the capture): a copy of the
+         * real stderr taken before, named "pid:fd" (tests/conftest.py), gets the line too */
+        const char *copy = getenv("CUEMU_STDERR_FD");
+        long pid = 0, fd = -1;
+        if (copy && sscanf(copy, "%ld:%ld", &pid, &fd) == 2 && pid == (long)getpid() && fd > 2)
+            if (write((int)fd, line, (size_t)n) < 0) {
+            }
         abort();
     }
     violation("MISUSE: %s", msg);
