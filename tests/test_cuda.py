@@ -992,6 +992,7 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
             assert _emulator_stat("pageable_copies") == pageable
             del dev
         finally:
+            await stream  # nothing in flight: the unregistration synchronises the context
             await anyio_to_thread(unregister)
     np.testing.assert_array_equal(out, host)
 
