@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import threading
@@ -303,8 +304,11 @@ class CudaNotification(NotificationImpl):
         return done
 
     def error(self) -> BaseException | None:
+        """A new copy of the failure each time: the caller raises it, which attaches the
+        raising frames, and the one kept here must not keep them (and their tensors) alive."""
         with self._lock:
-            return self._error
+            error = self._error
+        return None if error is None else copy.copy(error).with_traceback(None)
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
         with self._lock:
