@@ -280,8 +280,11 @@ class CudaNotification(NotificationImpl):
             self._done = gen
             self._error = error
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        # Each callback is dropped before the next runs: what a callback holds (a copy's
+        # tensors) must not stay referenced from this thread once the awaiting task resumed.
+        callbacks.reverse()
+        while callbacks:
+            callbacks.pop()()
 
     def _check(self, gen: int) -> bool:
         """The dispatcher's waiter: True once generation ``gen`` is complete (or stale)."""
