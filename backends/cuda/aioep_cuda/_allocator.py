@@ -1,5 +1,11 @@
-"""Device memory (stream-ordered ``cuMemAllocAsync`` or plain ``cuMemAlloc``) and pinned host
-memory (``cuMemHostAlloc``)."""
+"""Device memory (stream-ordered ``cuMemAllocAsync``, or ``cuMemAlloc`` blocks cached by size)
+and pinned host memory (the device's pinned pool over ``cuMemHostAlloc``).
+
+Nothing here makes a call that synchronises the device or context while an environment
+runs: stream-ordered memory is freed with ``cuMemFreeAsync``; ``cuMemAlloc`` and
+``cuMemHostAlloc`` blocks go back to caching pools (:mod:`._pool`) and reach the driver's
+synchronising frees only at the last close, off the event loop.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from aioep import Buffer, DeviceError
 from aioep.abc import Allocator
 
-from ._driver import call_nogil, check, ctx_current, driver, error_name
+from ._driver import ctx_current, driver, error_name
+from ._pool import Block, CachingPool
 from ._stream import CudaStream
 
 if TYPE_CHECKING:
@@ -29,80 +36,97 @@ def _oom(device: CudaDevice, what: str, nbytes: int, err: Any) -> DeviceError:
     )
 
 
+def _own_stream(device: CudaDevice, stream: SyncStream | None) -> CudaStream | None:
+    impl = getattr(stream, "impl", None)
+    if (
+        isinstance(impl, CudaStream)
+        and impl.device.shared is device.shared
+        and not impl.closed
+        and not getattr(stream, "closed", False)
+    ):
+        return impl
+    return None
+
+
 class CudaDeviceAllocator(Allocator):
     """GPU memory of one device.
 
-    ``mode="async"``: ``cuMemAllocAsync``/``cuMemFreeAsync`` on the device's
-    default memory pool, ordered on the buffer's stream when it is a CUDA
-    stream of this device (else on a helper stream, synchronized once so the
-    memory is usable from any stream). ``mode="sync"``: ``cuMemAlloc``/``cuMemFree``.
+    ``mode="async"``: ``cuMemAllocAsync``/``cuMemFreeAsync`` on the device's default memory
+    pool, ordered on the buffer's stream when it is a CUDA stream of this device. Without
+    one, on the device's helper stream: the host never waits for it; instead every stream
+    waits on the device for the helper stream's allocations before it next copies
+    (``cuStreamWaitEvent``), so the tensor is usable at once from any stream of the backend.
+
+    ``mode="sync"``: ``cuMemAlloc`` blocks, cached by size class and reused once the work
+    of the stream that freed them has completed; ``cuMemFree`` (which synchronises the
+    device) runs only when the device's shared state is released at close. The cache is
+    never trimmed while an environment runs: an allocation that fails reports the bytes
+    cached.
     """
 
     def __init__(self, device: CudaDevice, mode: str = "async") -> None:
         super().__init__(device.default_info)
         self.device = device
         self.mode = mode if device.memory_pools else "sync"
-        self._live: dict[int, int] = {}
-        self._live_lock = threading.Lock()
-
-    def _own_stream(self, stream: SyncStream | None) -> CudaStream | None:
-        impl = getattr(stream, "impl", None)
-        if (
-            isinstance(impl, CudaStream)
-            and impl.device is self.device
-            and not impl.closed
-            and not getattr(stream, "closed", False)
-        ):
-            return impl
-        return None
+        self._blocks: dict[int, Block] = {}
+        self._blocks_lock = threading.RLock()
 
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
-        drv = driver()
         dev = self.device
-        with ctx_current(dev.ctx):
-            if self.mode == "sync":
-                err, ptr = drv.cuMemAlloc(nbytes)
-                if err != drv.CUresult.CUDA_SUCCESS:
-                    raise _oom(dev, "cuMemAlloc", nbytes, err)
-            else:
-                own = self._own_stream(stream)
-                if own is not None:
-                    with own.lock:
-                        err, ptr = drv.cuMemAllocAsync(nbytes, own.cu)
-                        own.enqueued()
-                else:
-                    helper = dev.helper_stream()
-                    err, ptr = drv.cuMemAllocAsync(nbytes, helper)
-                    if err == drv.CUresult.CUDA_SUCCESS:
-                        # Usable from any stream: the allocation must have happened.
-                        sync = call_nogil("cuStreamSynchronize", int(helper))
-                        check(sync, "cuStreamSynchronize")
-                if err != drv.CUresult.CUDA_SUCCESS:
-                    raise _oom(dev, "cuMemAllocAsync", nbytes, err)
-        addr = int(ptr)
-        with self._live_lock:
-            self._live[addr] = nbytes
-        return addr
+        if self.mode == "sync":
+            cache: CachingPool = dev.shared.device_cache
+            try:
+                block = cache.take(nbytes)
+            except DeviceError as exc:
+                free, total = dev.mem_info()
+                raise DeviceError(
+                    f"CUDA device {dev.ordinal} ({dev.name}): cuMemAlloc of {nbytes} bytes "
+                    f"failed ({exc}); {'unknown' if free < 0 else free} bytes free of {total}"
+                ) from exc
+            with self._blocks_lock:
+                self._blocks[block.ptr] = block
+            return block.ptr
+        drv = driver()
+        own = _own_stream(dev, stream)
+        if own is not None:
+            with own.lock, ctx_current(dev.ctx):
+                err, ptr = drv.cuMemAllocAsync(nbytes, own.cu)
+                if err == drv.CUresult.CUDA_SUCCESS:
+                    own.enqueued()
+        else:
+            err, ptr = dev.shared.alloc_on_helper(nbytes)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise _oom(dev, "cuMemAllocAsync", nbytes, err)
+        with dev.shared.lock:
+            dev.shared.held += 1
+        return int(ptr)
 
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        drv = driver()
-        with self._live_lock:
-            self._live.pop(ptr, None)
-        if self.mode == "sync":
-            # cuMemFree synchronises the device: never on this thread (see _free.py).
-            self.device.free_later(lambda: _free_device(self.device, ptr))
-            return
         try:
-            with ctx_current(self.device.ctx):
-                own = self._own_stream(stream)
-                if own is not None:
-                    with own.lock:
-                        if not own.closed:
-                            drv.cuMemFreeAsync(ptr, own.cu)
-                            own.enqueued()
-                            return
-                # The core frees a buffer only after the device work it knows of is done.
-                drv.cuMemFreeAsync(ptr, self.device.helper_stream())
+            dev = self.device
+            own = _own_stream(dev, stream)
+            if self.mode == "sync":
+                with self._blocks_lock:
+                    block = self._blocks.pop(ptr)
+                dev.shared.device_cache.give(block, () if own is None else (own,))
+                return
+            drv = driver()
+            try:
+                with ctx_current(dev.ctx):
+                    if own is not None:
+                        with own.lock:
+                            if not own.closed:
+                                drv.cuMemFreeAsync(ptr, own.cu)
+                                own.enqueued()
+                                return
+                    # The core frees a buffer only after the device work it knows of is done.
+                    drv.cuMemFreeAsync(ptr, dev.helper_stream())
+            finally:
+                with dev.shared.lock:
+                    dev.shared.held -= 1
+                    last = not dev.shared.held
+                if last:
+                    dev.shared.maybe_release()
         except Exception:  # called from finalizers: never raise
             pass
 
@@ -110,70 +134,58 @@ class CudaDeviceAllocator(Allocator):
         return f"<CudaDeviceAllocator {self.mode} device={self.device.ordinal} live={self.live_buffers}>"
 
 
-def _free_device(device: CudaDevice, ptr: int) -> None:
-    with ctx_current(device.ctx):
-        call_nogil("cuMemFree_v2", ptr)
+class _PinnedHold:
+    """Holds one block of the pinned pool; gives it back when the last holder is gone.
 
-
-def _free_host(device: CudaDevice, ptr: int) -> None:
-    with ctx_current(device.ctx):
-        call_nogil("cuMemFreeHost", ptr)
-
-
-class _PinnedBlock:
-    """Owns one ``cuMemHostAlloc`` block and frees it when the last reference goes.
-
-    The buffer and every numpy view of it hold the block, so an explicit
-    ``buffer.free()`` never unmaps memory a view can still read. ``cuMemFreeHost``
-    synchronises the device, so it runs on the factory's free thread, not on the
-    thread that drops the last reference (the event loop, the dispatcher).
+    The buffer and every numpy view of it hold this object, so an explicit
+    ``buffer.free()`` never hands out memory a view can still read. Going back to the pool
+    makes no driver call that waits: an event is recorded on the buffer's stream (if any) and
+    the block is reused only once it has completed.
     """
 
-    __slots__ = ("device", "ptr")
+    __slots__ = ("block", "pool", "stream")
 
-    def __init__(self, ptr: int, device: CudaDevice) -> None:
-        self.ptr = ptr
-        self.device = device
+    def __init__(self, pool: CachingPool, block: Block, stream: CudaStream | None) -> None:
+        self.pool = pool
+        self.block = block
+        self.stream = stream
 
     def __del__(self) -> None:
         try:
-            device, ptr = self.device, self.ptr
-            device.free_later(lambda: _free_host(device, ptr))
+            self.pool.give(self.block, () if self.stream is None else (self.stream,))
         except Exception:  # a finalizer: never raise
             pass
 
 
 class CudaPinnedAllocator(Allocator):
-    """Page-locked host memory (``cuMemHostAlloc``, portable and device-mapped)."""
+    """Page-locked host memory (portable and device-mapped) from the device's pinned pool."""
 
     def __init__(self, device: CudaDevice) -> None:
         super().__init__(device.pinned_info)
         self.device = device
-        self._blocks: dict[int, _PinnedBlock] = {}
-        self._blocks_lock = threading.Lock()
+        self._holds: dict[int, _PinnedHold] = {}
+        self._holds_lock = threading.RLock()
 
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
-        drv = driver()
-        flags = drv.CU_MEMHOSTALLOC_PORTABLE | drv.CU_MEMHOSTALLOC_DEVICEMAP
-        with ctx_current(self.device.ctx):
-            err, ptr = drv.cuMemHostAlloc(nbytes, flags)
-        if err != drv.CUresult.CUDA_SUCCESS:
+        pool = self.device.pinned
+        try:
+            block = pool.take(nbytes)
+        except DeviceError as exc:
             raise DeviceError(
-                f"CUDA pinned allocator (device {self.device.ordinal}): cuMemHostAlloc of "
-                f"{nbytes} bytes failed with {error_name(err)}"
-            )
-        with self._blocks_lock:
-            self._blocks[int(ptr)] = _PinnedBlock(int(ptr), self.device)
-        return int(ptr)
+                f"CUDA pinned allocator (device {self.device.ordinal}): {nbytes} bytes: {exc}"
+            ) from exc
+        with self._holds_lock:
+            self._holds[block.ptr] = _PinnedHold(pool, block, _own_stream(self.device, stream))
+        return block.ptr
 
     def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
         buffer = super().alloc(nbytes, stream=stream)
-        with self._blocks_lock:
-            buffer._owner = self._blocks.get(buffer.ptr)
+        with self._holds_lock:
+            buffer._owner = self._holds.get(buffer.ptr)
         return buffer
 
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        # The memory goes back to the driver when the block's last holder (the buffer or a
-        # numpy view of it) is gone.
-        with self._blocks_lock:
-            self._blocks.pop(ptr, None)
+        # The block goes back to the pool when its last holder (the buffer or a numpy view of
+        # it) is gone.
+        with self._holds_lock:
+            self._holds.pop(ptr, None)

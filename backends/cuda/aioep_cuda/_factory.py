@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,6 @@ from aioep.abc import (
 from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._driver import check, driver, load_driver
-from ._free import Freer
 from ._stream import CudaStream
 from ._transfer import CudaDataTransfer
 from ._wake import Dispatcher
@@ -37,7 +37,18 @@ __all__ = ["CudaFactory", "CudaOptions"]
 
 _OWNER = "cuda backend"
 _CHOICES = {"allocator": ("async", "sync"), "wake": ("hostfn", "poll")}
-_KNOWN = (*_CHOICES, "pool_release_threshold")
+_KNOWN = (*_CHOICES, "pool_release_threshold", "pinned_pool_limit")
+
+
+def _default_pinned_limit() -> int:
+    """Half the host's physical memory (the pinned pool's default limit); -1 if unknown."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE")) // 2
+    except (ValueError, OSError, AttributeError):
+        return -1
+
+
+DEFAULT_PINNED_POOL_LIMIT = _default_pinned_limit()
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,16 @@ class CudaOptions:
         pool_release_threshold: bytes the default memory pool keeps cached across
             synchronisations (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``); -1 leaves the
             driver's setting (0: return memory at every synchronisation).
+        pinned_pool_limit: most bytes of pinned host memory the device's pinned pool holds
+            (in use and cached together; default: half the host's memory; -1: no limit).
+            Pinned memory is never given back to the driver while an environment runs
+            (``cuMemFreeHost`` synchronises the device): freed blocks are reused.
     """
 
     allocator: str = "async"
     wake: str = "hostfn"
     pool_release_threshold: int = -1
+    pinned_pool_limit: int = DEFAULT_PINNED_POOL_LIMIT
 
     @classmethod
     def from_options(cls, options: FactoryOptions | None) -> CudaOptions:
@@ -80,6 +96,14 @@ class CudaOptions:
                 minimum=-1,
                 maximum=(1 << 64) - 1,
             )
+        if "pinned_pool_limit" in opts:
+            values["pinned_pool_limit"] = parse_int_option(
+                _OWNER,
+                "pinned_pool_limit",
+                opts["pinned_pool_limit"],
+                minimum=-1,
+                maximum=(1 << 63) - 1,
+            )
         return cls(**values)
 
 
@@ -100,7 +124,7 @@ class CudaFactory(EpFactory):
         self.options = CudaOptions.from_options(options)
         self.devices: dict[int, CudaDevice] = {}
         self.dispatcher: Dispatcher | None = None
-        self.freer = Freer()
+        self.transfers: list[CudaDataTransfer] = []
         self._closed = False
         try:
             drv = load_driver()
@@ -114,14 +138,14 @@ class CudaFactory(EpFactory):
         problems = []
         for ordinal in range(count):
             try:
-                self.devices[ordinal] = CudaDevice(ordinal)
+                self.devices[ordinal] = CudaDevice(
+                    ordinal, pinned_pool_limit=self.options.pinned_pool_limit
+                )
             except Exception as exc:
                 problems.append(f"device {ordinal}: {exc}")
         if not self.devices:
             self.unavailable_reason = "no usable CUDA device: " + "; ".join(problems)
             return
-        for dev in self.devices.values():
-            dev.freer = self.freer
         self._configure_pools()
         self.dispatcher = Dispatcher()
         first = next(iter(self.devices.values()))
@@ -203,7 +227,9 @@ class CudaFactory(EpFactory):
     def create_data_transfer(self) -> DataTransfer | None:
         if not self.devices:
             return None
-        return CudaDataTransfer(self.devices, self)
+        transfer = CudaDataTransfer(self.devices, self)
+        self.transfers.append(transfer)
+        return transfer
 
     def is_stream_aware(self) -> bool:
         return bool(self.devices)
@@ -217,11 +243,16 @@ class CudaFactory(EpFactory):
         return CudaStream(dev, self.dispatcher, wake=self.options.wake, owner=self)
 
     def close(self) -> None:
+        """Open every pending pageable-copy gate (no stream stays held by a copy that will
+        never run), stop the dispatcher, destroy this factory's streams and leave the
+        devices: the last environment on a device releases its shared state there (waiting
+        for the device: the environment closes off the event loop)."""
         if self._closed:
             return
         self._closed = True
+        for transfer in self.transfers:
+            transfer.close()
         if self.dispatcher is not None:
             self.dispatcher.close()
-        self.freer.close()  # queued frees run while the contexts still exist
         for dev in self.devices.values():
             dev.close()

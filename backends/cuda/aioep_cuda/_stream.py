@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import threading
@@ -57,9 +58,44 @@ class CudaStream(StreamImpl):
         self.gate_errors: dict[int, BaseException] = {}
         self.gate_released = threading.Event()
         """Set once the gate word (if any) is back with the device after :meth:`close`."""
+        self.alloc_seen = 0  # the helper stream's allocation generation this stream waited for
+
+    def fence(self) -> None:
+        """Before using memory: wait on the device for allocations made without a stream
+        (never blocks the host; see :meth:`SharedDevice.fence`). Call with :attr:`lock` held."""
+        self.alloc_seen = self.device.shared.fence(self.cu, self.alloc_seen)
+
+    def mark(self) -> Any | None:
+        """A pooled event recorded on this stream now (the caller gives it back to
+        ``device.events``), or None once the stream is closed or the record failed."""
+        drv = driver()
+        with self.lock:
+            if self.closed:
+                return None
+            try:
+                event = self.device.events.take()
+            except DeviceError:
+                return None
+            with ctx_current(self.device.ctx):
+                err = drv.cuEventRecord(event, self.cu)[0]
+            if err != drv.CUresult.CUDA_SUCCESS:
+                self.device.events.give(event)
+                return None
+            self.enqueued()
+            return event
 
     @property
     def handle(self) -> int:
+        """The ``CUstream`` as an int. Before handing it out, the stream is made to wait (on
+        the device) for allocations made without a stream so far, so that work another library
+        enqueues on it sees them (as the backend's own copies do)."""
+        if self.alloc_seen < self.device.shared.alloc_gen and not self.closed:
+            with self.lock:
+                if not self.closed:
+                    try:
+                        self.fence()
+                    except DeviceError:  # a broken context: the work will fail anyway
+                        pass
         return self._handle
 
     def create_notification(self) -> CudaNotification:
@@ -70,12 +106,19 @@ class CudaStream(StreamImpl):
         self.seq += 1
 
     def gate_errors_between(self, lo: int, hi: int) -> BaseException | None:
-        """The first pageable-copy failure with a gate value in ``(lo, hi]``."""
+        """The first pageable-copy failure with a gate value in ``(lo, hi]``, as a new
+        exception: the one kept here is never raised (a raise would attach the awaiting
+        frames, and this long-lived stream would keep their tensors alive)."""
         if not self.gate_errors:
             return None
         for value in sorted(self.gate_errors):
             if lo < value <= hi:
-                return self.gate_errors[value]
+                kept = self.gate_errors[value]
+                return (
+                    DeviceError(str(kept))
+                    if isinstance(kept, DeviceError)
+                    else DeviceError(f"{type(kept).__name__}: {kept}")
+                )
         return None
 
     def close(self) -> None:
@@ -95,9 +138,7 @@ class CudaStream(StreamImpl):
                 except DeviceError:  # a broken context: nothing will wait on the word again
                     end = None
             self.closed = True
-            drv = driver()
-            with ctx_current(self.device.ctx):
-                drv.cuStreamDestroy(self.cu)
+            self.device.shared.destroy_stream(self.cu)
         self.dispatcher.retire(self.key)
         if gate is None:
             self.gate_released.set()
@@ -191,6 +232,8 @@ class CudaNotification(NotificationImpl):
             self._arm(gen)
 
     def wait_on_device(self, stream: StreamImpl) -> None:
+        if self._stream.device.events.dead:
+            raise DeviceError(f"{self._stream!r}: the CUDA device was closed")
         if isinstance(stream, CudaStream):
             drv = driver()
             with stream.lock, ctx_current(stream.device.ctx):
@@ -211,6 +254,8 @@ class CudaNotification(NotificationImpl):
 
     # -- completion ------------------------------------------------------------------------
     def _query_event(self, *, retried: bool = False) -> tuple[bool, BaseException | None]:
+        if self._stream.device.events.dead:
+            return True, DeviceError(f"{self._stream!r}: the CUDA device was closed")
         drv = driver()
         err = drv.cuEventQuery(self._event)[0]
         if err == drv.CUresult.CUDA_SUCCESS:
@@ -235,8 +280,11 @@ class CudaNotification(NotificationImpl):
             self._done = gen
             self._error = error
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        # Each callback is dropped before the next runs: what a callback holds (a copy's
+        # tensors) must not stay referenced from this thread once the awaiting task resumed.
+        callbacks.reverse()
+        while callbacks:
+            callbacks.pop()()
 
     def _check(self, gen: int) -> bool:
         """The dispatcher's waiter: True once generation ``gen`` is complete (or stale)."""
@@ -259,8 +307,11 @@ class CudaNotification(NotificationImpl):
         return done
 
     def error(self) -> BaseException | None:
+        """A new copy of the failure each time: the caller raises it, which attaches the
+        raising frames, and the one kept here must not keep them (and their tensors) alive."""
         with self._lock:
-            return self._error
+            error = self._error
+        return None if error is None else copy.copy(error).with_traceback(None)
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
         with self._lock:

@@ -49,6 +49,7 @@ class PageableCopier:
         )
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._waiting: set[_GateJob] = set()
 
     def submit(
         self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
@@ -68,6 +69,16 @@ class PageableCopier:
                 self._thread.start()
             self._cond.notify()
 
+    def track(self, job: _GateJob) -> None:
+        """Note a gate job whose prerequisites have not completed yet."""
+        with self._cond:
+            self._waiting.add(job)
+
+    def untrack(self, job: _GateJob) -> None:
+        """The job was submitted (or abandoned)."""
+        with self._cond:
+            self._waiting.discard(job)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -82,15 +93,15 @@ class PageableCopier:
         self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
     ) -> None:
         dev = stream.device
-        side = int(dev.side_stream())
         try:
+            side = int(dev.side_stream())
             with ctx_current(dev.ctx):
                 for dst, src, n in jobs:
                     check(
                         call_nogil("cuMemcpyAsync", dst, src, n, side), "cuMemcpyAsync (pageable)"
                     )
         except BaseException as exc:
-            stream.gate_errors[value] = exc
+            stream.gate_errors[value] = exc.with_traceback(None)
         finally:
             self._release(stream, addr, value)
 
@@ -105,22 +116,28 @@ class PageableCopier:
                     "cuStreamWriteValue32",
                 )
         except BaseException as exc:  # the context is broken: S fails with it too
-            stream.gate_errors.setdefault(value, exc)
+            stream.gate_errors.setdefault(value, exc.with_traceback(None))
 
     def close(self) -> None:
-        """Finish queued jobs, then stop the thread."""
+        """Finish queued jobs, then stop the thread; idempotent. A gate whose prerequisites
+        have not completed yet (a stream still held on the device, or failed) is opened
+        without its copy (its futures fail with a :class:`DeviceError`), so that no stream of
+        the context waits for a copy that will never run."""
         with self._cond:
             self._closed = True
             self._cond.notify()
             thread = self._thread
+            waiting, self._waiting = list(self._waiting), set()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        for job in sorted(waiting, key=lambda j: j.value):
+            job.abandon()
 
 
 class _GateJob:
     """Runs a gated pageable copy once both its prerequisites completed and its gate is set."""
 
-    __slots__ = ("_copier", "_fired", "_lock", "_ready", "addr", "jobs", "stream", "value")
+    __slots__ = ("_copier", "_done", "_fired", "_lock", "_ready", "addr", "jobs", "stream", "value")
 
     def __init__(
         self,
@@ -132,22 +149,42 @@ class _GateJob:
     ) -> None:
         self._copier = copier
         self._lock = threading.Lock()
-        self._fired = self._ready = False
+        self._fired = self._ready = self._done = False
         self.stream, self.jobs, self.addr, self.value = stream, jobs, addr, value
+
+    def _go(self) -> bool:
+        # Called with the lock held: True exactly once, when both conditions hold.
+        if self._fired and self._ready and not self._done:
+            self._done = True
+            return True
+        return False
 
     def prerequisites_done(self) -> None:
         with self._lock:
             self._fired = True
-            go = self._ready
+            go = self._go()
         if go:
+            self._copier.untrack(self)
             self._copier.submit(self.stream, self.jobs, self.addr, self.value)
 
     def gate_enqueued(self) -> None:
         with self._lock:
             self._ready = True
-            go = self._fired
+            go = self._go()
         if go:
+            self._copier.untrack(self)
             self._copier.submit(self.stream, self.jobs, self.addr, self.value)
+
+    def abandon(self) -> None:
+        """At close: open the gate without copying (the copy's futures fail)."""
+        with self._lock:
+            if self._done or not self._ready:
+                return
+            self._done = True
+        self.stream.gate_errors[self.value] = DeviceError(
+            "the CUDA backend closed before a pageable copy's stream reached it"
+        )
+        PageableCopier._release(self.stream, self.addr, self.value)
 
 
 class CudaDataTransfer(DataTransfer):
@@ -194,8 +231,9 @@ class CudaDataTransfer(DataTransfer):
             return
         # Synchronous (the core runs this on a worker thread): this thread's own stream.
         dev = self._batch_device(pairs)
-        cu, event = dev.copy_stream()
+        cu, event, seen = dev.copy_stream()
         drv = driver()
+        seen[0] = dev.shared.fence(cu, seen[0])
         with ctx_current(dev.ctx):
             for s, d in pairs:
                 if s.nbytes:
@@ -252,6 +290,7 @@ class CudaDataTransfer(DataTransfer):
         with stream.lock, ctx_current(dev.ctx):
             if stream.closed:
                 raise DeviceError(f"{stream!r} is closed")
+            stream.fence()
             for s, d in pairs:
                 if not s.nbytes:
                     continue
@@ -275,8 +314,6 @@ class CudaDataTransfer(DataTransfer):
         drv = driver()
         if stream.gate_addr is None:
             addr = stream.device.gate_slot()
-            if addr is None:
-                return False
             err = drv.cuMemsetD32Async(addr, 0, 1, stream.cu)[0]
             if err != drv.CUresult.CUDA_SUCCESS:
                 stream.device.release_gate_slot(addr)
@@ -287,6 +324,7 @@ class CudaDataTransfer(DataTransfer):
         before.activate()
         value = stream.gate_value + 1
         job = _GateJob(self._pageable, stream, jobs, stream.gate_addr, value)
+        self._pageable.track(job)
         # Arm before the wait is enqueued so the host function sits right after the event.
         before.add_done_callback(job.prerequisites_done)
         err = drv.cuStreamWaitValue32(
@@ -296,6 +334,9 @@ class CudaDataTransfer(DataTransfer):
             int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
         )[0]
         if err != drv.CUresult.CUDA_SUCCESS:
+            self._pageable.untrack(job)
+            if err != drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a broken context, say
+                raise DeviceError(f"cuStreamWaitValue32 on {stream!r} failed: {error_name(err)}")
             # Unsupported here: the job never runs; fall back for good.
             self._stream_mem_ops = False
             return False
