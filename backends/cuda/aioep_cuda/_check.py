@@ -369,6 +369,7 @@ class _Child:
         self.seconds = 0.0
         self.stacks = ""
         self.output = ""
+        self.test_timeout = 0.0
 
 
 def _pytest_child(
@@ -399,6 +400,7 @@ def _pytest_child(
     cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:faulthandler"]
     cmd += ["-p", "aioep_check_plugin", *pytest_args, *args]
     result = _Child()
+    result.test_timeout = test_timeout
     result.rc, result.output, result.seconds = _run(cmd, child_env, cwd, timeout)
     if log.is_file():
         for line in log.read_text().splitlines():
@@ -420,7 +422,7 @@ def _pytest_child(
     return result
 
 
-def _death(child: _Child, test_timeout: float) -> dict[str, Any]:
+def _death(child: _Child) -> dict[str, Any]:
     """The outcome of a test its child died in: crash (a signal, or an exit in the middle of
     it) or hang (the watchdog's dump, or the parent's timeout), with the stacks."""
     entry: dict[str, Any] = {"seconds": None}
@@ -428,12 +430,12 @@ def _death(child: _Child, test_timeout: float) -> dict[str, Any]:
         entry["outcome"] = "crash"
         entry["signal"] = _signal_name(child.rc)
         entry["message"] = f"the test process died of {entry['signal']}"
-    elif child.rc == 124 or "Timeout (" in child.stacks:
+    elif child.rc == 124 or "Timeout (" in child.stacks or "Timeout (" in child.output:
         entry["outcome"] = "hang"
         entry["message"] = (
             "the test process outlived its time budget and was killed"
             if child.rc == 124
-            else f"still running after {test_timeout:g} s: every thread's stack is in 'stacks'"
+            else f"still running after {child.test_timeout:g} s: every thread's stack is in 'stacks'"
         )
     else:
         entry["outcome"] = "crash"
@@ -449,7 +451,6 @@ def _run_group(
     deadline: float,
     max_children: int,
     run: Callable[[Sequence[str], float], _Child],
-    test_timeout: float,
 ) -> tuple[list[str], dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Run ``args`` in a child; after each crash or hang, what it did not reach in a new one.
     Returns (every test in order, each test's outcome, a note per child)."""
@@ -480,10 +481,10 @@ def _run_group(
                 break
         results.update(child.done)
         if child.running is not None and child.running not in results:
-            results[child.running] = _death(child, test_timeout)
+            results[child.running] = _death(child)
             note["ended_in"] = child.running
         elif child.rc < 0 or child.rc == 124:
-            note["ended_outside_a_test"] = _death(child, test_timeout)
+            note["ended_outside_a_test"] = _death(child)
         remaining = [n for n in order if n not in results]
         if not remaining:
             break
@@ -545,9 +546,7 @@ def run_tests(
                 pytest_args=pytest_args,
             )
 
-        order, results, children = _run_group(
-            present, deadline=deadline, max_children=40, run=run, test_timeout=test_timeout
-        )
+        order, results, children = _run_group(present, deadline=deadline, max_children=40, run=run)
         functions: dict[str, list[str]] = {}
         for nodeid in order:
             functions.setdefault(_function_of(nodeid), []).append(nodeid)
@@ -567,9 +566,7 @@ def run_tests(
                 isolated[function] = "not-run"
                 continue
             ids = functions[function]
-            _, alone, _ = _run_group(
-                ids, deadline=deadline, max_children=len(ids), run=run, test_timeout=test_timeout
-            )
+            _, alone, _ = _run_group(ids, deadline=deadline, max_children=len(ids), run=run)
             for nodeid in ids:
                 if nodeid in alone and nodeid in results:
                     results[nodeid]["isolated"] = alone[nodeid]
