@@ -177,6 +177,10 @@ def test_hangs():
     threading.Thread(target=time.sleep, args=(3600,), name="stuck-helper", daemon=True).start()
     time.sleep(3600)
 
+@pytest.mark.parametrize("n", range(4))
+def test_always_crashes(n):
+    os.abort()
+
 def test_after_the_trouble():
     assert True
 
@@ -186,6 +190,11 @@ def test_skipped():
 """
 
 
+def _bare_env() -> dict[str, str]:
+    # The fake tests need no plugin: children start faster without them.
+    return {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
 def test_a_crash_or_a_hang_hides_no_other_test(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_fake.py").write_text(_FAKE_TESTS)
@@ -193,10 +202,11 @@ def test_a_crash_or_a_hang_hides_no_other_test(tmp_path: Path) -> None:
     lines: list[str] = []
     summary = run_tests(
         checkout=tmp_path,
-        env=dict(os.environ),
+        env=_bare_env(),
         files=["tests/test_fake.py", "tests/test_more.py", "tests/test_missing.py"],
         budget=120,
         test_timeout=2,
+        max_deaths_per_function=2,
         log=lines.append,
     )
     outcomes = {t["nodeid"].split("::")[1]: t for t in summary["tests"]}
@@ -213,14 +223,22 @@ def test_a_crash_or_a_hang_hides_no_other_test(tmp_path: Path) -> None:
     assert hang["outcome"] == "hang"
     assert "test_hangs" in hang["stacks"]
     assert hang["stacks"].count("Thread 0x") >= 2  # every thread, the stuck helper too
+    # Two cases of a function crashed: its other cases are not run, saying why.
+    always = [outcomes[f"test_always_crashes[{n}]"] for n in range(4)]
+    assert [a["outcome"] for a in always] == ["crash", "crash", "not-run", "not-run"]
+    assert always[0]["signal"] == "SIGABRT"
+    assert "2 cases of this function crashed" in always[2]["message"]
+    assert "isolated" in always[1]  # the first two cases run again alone
+    assert "isolated" not in always[2]
     assert outcomes["test_after_the_trouble"]["outcome"] == "pass"
     assert outcomes["test_in_another_file"]["outcome"] == "pass"
     assert outcomes["test_skipped"]["outcome"] == "skip"
     assert "not today" in outcomes["test_skipped"]["message"]
-    assert (summary["crashed"], summary["hung"], summary["failed"]) == (1, 1, 1)
+    assert (summary["crashed"], summary["hung"], summary["failed"]) == (3, 1, 1)
     assert summary["functions"]["tests/test_fake.py::test_crashes"] == "crash"
     assert summary["isolated"] == {
         "tests/test_fake.py::test_crashes": "crash",
+        "tests/test_fake.py::test_always_crashes": "crash",
         "tests/test_fake.py::test_hangs": "hang",
     }
     assert summary["missing_files"] == ["tests/test_missing.py"]
@@ -236,7 +254,7 @@ def test_the_time_budget_bounds_the_run(tmp_path: Path) -> None:
     )
     summary = run_tests(
         checkout=tmp_path,
-        env=dict(os.environ),
+        env=_bare_env(),
         files=["tests/test_slow.py"],
         budget=6,
         test_timeout=60,

@@ -53,6 +53,7 @@ _ARENA = "benchmarks/arena.py"
 _GOOD = ("pass", "skip")
 _BUDGET = 480.0
 _TEST_TIMEOUT = 60.0
+_ISOLATE_CASES = 2  # cases per crashed function run again alone
 
 
 def _get(data: Mapping[str, Any], *path: str) -> Any:
@@ -451,12 +452,19 @@ def _run_group(
     deadline: float,
     max_children: int,
     run: Callable[[Sequence[str], float], _Child],
+    max_deaths_per_function: int = 0,
 ) -> tuple[list[str], dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Run ``args`` in a child; after each crash or hang, what it did not reach in a new one.
-    Returns (every test in order, each test's outcome, a note per child)."""
+    Returns (every test in order, each test's outcome, a note per child).
+
+    ``max_deaths_per_function`` (0: no limit): once that many cases of one test function
+    crashed or hung, its other cases are reported as not run rather than each costing a
+    process of its own (a GPU's time is scarce).
+    """
     order: list[str] = []
     results: dict[str, dict[str, Any]] = {}
     children: list[dict[str, Any]] = []
+    deaths: dict[str, int] = {}
     pending: Sequence[str] = args
     while True:
         left = deadline - time.monotonic()
@@ -483,6 +491,16 @@ def _run_group(
         if child.running is not None and child.running not in results:
             results[child.running] = _death(child)
             note["ended_in"] = child.running
+            function = _function_of(child.running)
+            deaths[function] = deaths.get(function, 0) + 1
+            if max_deaths_per_function and deaths[function] >= max_deaths_per_function:
+                why = (
+                    f"{deaths[function]} cases of this function crashed or hung already: its "
+                    "other cases were not run, to spare the time budget"
+                )
+                for nodeid in order:
+                    if _function_of(nodeid) == function and nodeid not in results:
+                        results[nodeid] = {"outcome": "not-run", "message": why}
         elif child.rc < 0 or child.rc == 124:
             note["ended_outside_a_test"] = _death(child)
         remaining = [n for n in order if n not in results]
@@ -519,13 +537,16 @@ def run_tests(
     budget: float = 300.0,
     test_timeout: float = _TEST_TIMEOUT,
     isolate: str = "crashed",
+    max_deaths_per_function: int = 3,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the CUDA test files so that no crash or hang hides another test (see the module
     docstring): every test's outcome and why, per function, and the counts.
 
-    ``isolate``: which test functions run again alone, each in a process of its own:
-    ``"crashed"`` (those that crashed or hung), ``"all"`` or ``"none"``.
+    ``isolate``: what runs again alone, each function in a process of its own:
+    ``"crashed"`` (the first cases of each function that crashed or hung), ``"all"`` (every
+    case of every function) or ``"none"``. ``max_deaths_per_function``: see
+    :func:`_run_group` (0: every case runs, whatever it costs).
     """
     started = time.monotonic()
     deadline = started + budget
@@ -546,26 +567,31 @@ def run_tests(
                 pytest_args=pytest_args,
             )
 
-        order, results, children = _run_group(present, deadline=deadline, max_children=40, run=run)
+        order, results, children = _run_group(
+            present,
+            deadline=deadline,
+            max_children=60,
+            run=run,
+            max_deaths_per_function=max_deaths_per_function,
+        )
         functions: dict[str, list[str]] = {}
         for nodeid in order:
             functions.setdefault(_function_of(nodeid), []).append(nodeid)
-        if isolate == "all":
-            again = list(functions)
-        elif isolate == "crashed":
-            again = [
-                f
-                for f, ids in functions.items()
-                if any(results.get(n, {}).get("outcome") in ("crash", "hang") for n in ids)
-            ]
-        else:
-            again = []
+        # What runs again alone: every case (isolate="all"), or the first cases of each
+        # function that crashed or hung.
+        again: dict[str, list[str]] = {}
+        for function, ids in functions.items():
+            if isolate == "all":
+                again[function] = ids
+            elif isolate == "crashed":
+                died = [n for n in ids if results.get(n, {}).get("outcome") in ("crash", "hang")]
+                if died:
+                    again[function] = died[:_ISOLATE_CASES]
         isolated: dict[str, str] = {}
-        for function in again:
+        for function, ids in again.items():
             if deadline - time.monotonic() <= 1:
                 isolated[function] = "not-run"
                 continue
-            ids = functions[function]
             _, alone, _ = _run_group(ids, deadline=deadline, max_children=len(ids), run=run)
             for nodeid in ids:
                 if nodeid in alone and nodeid in results:
@@ -756,6 +782,7 @@ def run_check(
     budget: float = _BUDGET,
     test_timeout: float = _TEST_TIMEOUT,
     isolate: str = "crashed",
+    max_deaths_per_function: int = 3,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every step (see the module docstring), write the summary to ``out`` (after each
@@ -814,6 +841,7 @@ def run_check(
             budget=share,
             test_timeout=test_timeout,
             isolate=isolate,
+            max_deaths_per_function=max_deaths_per_function,
             log=log,
         )
         _write(out, summary)
@@ -899,6 +927,7 @@ def _command(args: argparse.Namespace) -> int:
         budget=args.budget,
         test_timeout=args.test_timeout,
         isolate=args.isolate,
+        max_deaths_per_function=args.max_crashes_per_function,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if summary.get("status") == "no-gpu":
@@ -947,6 +976,13 @@ def add_parser(sub: Any) -> None:
         default="crashed",
         help="test functions to run again alone, each in a process of its own (default: "
         "those that crashed or hung)",
+    )
+    p.add_argument(
+        "--max-crashes-per-function",
+        type=int,
+        default=3,
+        help="after this many cases of one test function crashed or hung, its other cases are "
+        "reported as not run instead of each costing a process (default 3; 0: run them all)",
     )
     p.add_argument("--no-tests", action="store_true", help="skip the pytest run")
     p.add_argument("--no-benchmarks", action="store_true", help="skip the benchmarks")
