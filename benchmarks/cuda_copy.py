@@ -14,7 +14,8 @@
 Writes benchmarks/results/cuda_copy.json (or ``--json PATH``) after every step: a step that
 fails (an optional baseline whose library breaks, say) records its error under ``errors``
 and the other figures are still measured; a crash keeps what was written. Exit status 1
-when a step other than the numba comparison failed. Run:
+when a step other than the numba comparison failed. ``--resume`` carries on from the JSON of
+a run that died (``check-gpu`` does that): the step it died in is recorded as failed. Run:
 ``python benchmarks/cuda_copy.py [--quick] [--json PATH]``; ``--quick`` uses small sizes
 (16 MiB copies, 64 MiB in flight, 50 latency samples) for a smoke test, e.g. on the
 emulated driver that ``python -m aioep check-gpu --emulator`` uses; its figures are not the
@@ -32,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,11 +351,28 @@ async def _awaiters(env: Any, gpu: Any, results: dict[str, Any]) -> None:
 class _Results:
     """The figures so far, written to the JSON file after every step: a step that fails
     records its error under ``errors`` and the others go on; a crash keeps what was
-    written (``running`` names the step it happened in)."""
+    written (``running`` names the step it happened in, ``done`` the steps finished), and
+    ``--resume`` carries on after it."""
 
-    def __init__(self, path: Path, sizes: str) -> None:
+    def __init__(self, path: Path, sizes: str, *, resume: bool = False) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"sizes": sizes, "errors": {}, "running": None}
+        self.data: dict[str, Any] = {
+            "sizes": sizes,
+            "errors": {},
+            "running": None,
+            "done": [],
+            "latency_us": {},
+        }
+        if resume and path.is_file():
+            previous = json.loads(path.read_text())
+            if previous.get("sizes") == sizes:
+                self.data.update(previous)
+                crashed = previous.get("running")
+                if crashed:  # the process died in it: record that, never run it again
+                    self.data["errors"][crashed] = "the process died during this step"
+                    self.data["running"] = None
+                    self.data["done"].append(crashed)
+                self.data["resumed"] = self.data.get("resumed", 0) + 1
         path.parent.mkdir(parents=True, exist_ok=True)
         self.write()
 
@@ -363,18 +381,21 @@ class _Results:
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         tmp.replace(self.path)
 
-    @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        """Run step ``name`` unless an earlier run finished it (or died in it)."""
+        if name in self.data["done"]:
+            return
         self.data["running"] = name
         self.write()
         print(f"{name} ...", file=sys.stderr, flush=True)
         try:
-            yield
+            fn()
         except Exception as exc:
             self.data["errors"][name] = f"{type(exc).__name__}: {exc}"
             print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         finally:
             self.data["running"] = None
+            self.data["done"].append(name)
             self.write()
 
 
@@ -387,26 +408,7 @@ async def _with_env(wake: str | None, fn: Any) -> Any:
         return await fn(env, gpu)
 
 
-def _run_all(out: _Results, sizes: Sizes) -> None:
-    data = out.data
-    lat: dict[str, Any] = {}
-    data["latency_us"] = lat
-    n = sizes.latency_samples
-
-    async def device(env: Any, gpu: Any) -> None:
-        data["device"] = dict(gpu.hardware.metadata)
-
-    with out.step("device"):
-        asyncio.run(_with_env(None, device))
-    with out.step("latency"):
-        # The default wake first: the future and `await stream` measured side by side.
-        lat.update(asyncio.run(_with_env(None, lambda e, g: _future_latency(e, g, n))))
-        lat["aioep_default"] = lat["await_stream"]
-    for wake in ("hostfn", "poll"):
-        with out.step(f"latency_{wake}"):
-            lat[f"aioep_{wake}"] = asyncio.run(_with_env(wake, lambda e, g: _latency(e, g, n)))
-    with out.step("to_thread"):
-        lat["to_thread_event_sync"] = _to_thread_latency(n)
+def _ratios(lat: dict[str, Any]) -> None:
     base = lat.get("to_thread_event_sync")
     if "aioep_default" in lat and base:
         lat["ratio_vs_to_thread"] = lat["aioep_default"] / base
@@ -415,48 +417,87 @@ def _run_all(out: _Results, sizes: Sizes) -> None:
         lat["future_vs_await_stream"] = future / lat["await_stream"]
         if base:
             lat["future_vs_to_thread"] = future / base
+    if lat.get("numba_async_done") and "aioep_default" in lat:
+        lat["ratio_vs_numba"] = lat["aioep_default"] / lat["numba_async_done"]
     lat["targets"] = (
         "default wake <= 0.5x to_thread; the future (the slower of streamed and un-streamed) "
         "<= 1.2x await stream and <= 0.5x to_thread; numba for comparison"
     )
-    out.write()
+
+
+def _run_all(out: _Results, sizes: Sizes) -> None:
+    data = out.data
+    lat: dict[str, Any] = data["latency_us"]
+    n = sizes.latency_samples
+
+    def on_env(fn: Any, wake: str | None = None) -> Callable[[], None]:
+        return lambda: asyncio.run(_with_env(wake, fn))
+
+    async def device(env: Any, gpu: Any) -> None:
+        data["device"] = dict(gpu.hardware.metadata)
+
+    async def latency(env: Any, gpu: Any) -> None:
+        # The default wake: the future and `await stream` measured side by side.
+        lat.update(await _future_latency(env, gpu, n))
+        lat["aioep_default"] = lat["await_stream"]
+
+    async def latency_hostfn(env: Any, gpu: Any) -> None:
+        lat["aioep_hostfn"] = await _latency(env, gpu, n)
+
+    async def latency_poll(env: Any, gpu: Any) -> None:
+        lat["aioep_poll"] = await _latency(env, gpu, n)
+
+    def to_thread() -> None:
+        lat["to_thread_event_sync"] = _to_thread_latency(n)
 
     async def awaiters(env: Any, gpu: Any) -> None:
         await _awaiters(env, gpu, data)
 
-    with out.step("awaiters"):
-        asyncio.run(_with_env(None, awaiters))
-
     async def bandwidth(env: Any, gpu: Any) -> None:
         await _bandwidth(env, gpu, data, sizes)
-
-    with out.step("bandwidth"):
-        asyncio.run(_with_env(None, bandwidth))
 
     async def loop_lag(env: Any, gpu: Any) -> None:
         await _loop_lag(env, gpu, data, sizes)
 
-    with out.step("loop_lag"):
-        asyncio.run(_with_env(None, loop_lag))
-    # Optional baselines last: a library that breaks (numba-cuda 0.30's async_done with
-    # cuda-bindings 13) costs only its own figure.
-    with out.step("numba"):
+    def numba() -> None:
         lat["numba_async_done"] = _numba_latency(n)
-        if lat["numba_async_done"] and "aioep_default" in lat:
-            lat["ratio_vs_numba"] = lat["aioep_default"] / lat["numba_async_done"]
+
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("device", on_env(device)),
+        ("latency", on_env(latency)),
+        ("latency_hostfn", on_env(latency_hostfn, "hostfn")),
+        ("latency_poll", on_env(latency_poll, "poll")),
+        ("to_thread", to_thread),
+        ("awaiters", on_env(awaiters)),
+        ("bandwidth", on_env(bandwidth)),
+        ("loop_lag", on_env(loop_lag)),
+        # Optional baselines last: a library that breaks (numba-cuda 0.30's async_done with
+        # cuda-bindings 13) costs only its own figure.
+        ("numba", numba),
+    ]
+    for name, fn in steps:
+        out.run(name, fn)
+        _ratios(lat)
+        out.write()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"output (default {RESULTS})")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="carry on from the JSON of a run that died: skip the steps it finished and the "
+        "one it died in (recorded as failed)",
+    )
     args = parser.parse_args(argv)
     if not _gpu_available():
         print("skipped: no GPU")
         return 0
-    sizes = QUICK if args.quick else FULL
-    out = _Results(args.json, "quick" if args.quick else "full")
-    _run_all(out, sizes)
+    sizes = "quick" if args.quick else "full"
+    out = _Results(args.json, sizes, resume=args.resume)
+    _run_all(out, QUICK if args.quick else FULL)
     print(json.dumps(out.data, indent=2, default=str))
     figures_failed = [k for k in out.data["errors"] if k != "numba"]  # numba: a comparison
     return 1 if figures_failed else 0
