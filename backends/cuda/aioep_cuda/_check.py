@@ -756,6 +756,7 @@ def _benchmark(
     cmd = [py, script, "--json", str(out), *(["--quick"] if quick else [])]
     data: dict[str, Any] = {}
     deaths: list[str] = []
+    deaths_by_step: dict[str, str] = {}
     seconds = 0.0
     rc, text = 0, ""
     for attempt in range(8):
@@ -772,7 +773,9 @@ def _benchmark(
                 data = {"error": f"its JSON is unreadable: {exc}"}
         if rc < 0 or rc == 124:
             how = _signal_name(rc) if rc < 0 else f"outliving {left:.0f} s"
-            deaths.append(f"{data.get('running') or 'start-up'}: died of {how}")
+            step = data.get("running") or "start-up"
+            deaths.append(f"{step}: the process died of {how}")
+            deaths_by_step[step] = f"the benchmark process died of {how} during this step"
         if not (resumable and (rc < 0 or rc == 124) and data.get("running")):
             break
     if rc != 0:
@@ -786,6 +789,10 @@ def _benchmark(
             data.setdefault("error", f"the benchmark exited with status {rc}")
     if deaths:
         data["deaths"] = deaths
+        errors = data.setdefault("errors", {})
+        for step, why in deaths_by_step.items():
+            if step in errors or step == data.get("running"):
+                errors[step] = why
     data["seconds"] = round(seconds, 2)
     return data
 
