@@ -266,3 +266,47 @@ def test_the_time_budget_bounds_the_run(tmp_path: Path) -> None:
     assert "60 s" not in summary["tests"][0]["message"]
     assert outcomes["test_b"] == "not-run"
     assert summary["ok"] is False
+
+
+_FAKE_BENCH = """
+import json, os, signal, sys
+path = sys.argv[sys.argv.index("--json") + 1]
+data = {"sizes": "quick", "errors": {}, "done": [], "running": None}
+if "--resume" in sys.argv:
+    data = json.load(open(path))
+    data["errors"][data["running"]] = "the process died during this step"
+    data["done"].append(data["running"])
+for step in ("a", "b", "c"):
+    if step in data["done"]:
+        continue
+    data["running"] = step
+    json.dump(data, open(path, "w"))
+    if step == "b":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    data[step] = 1.0
+    data["running"] = None
+    data["done"].append(step)
+json.dump(data, open(path, "w"))
+sys.exit(1)
+"""
+
+
+def test_a_benchmark_that_dies_in_a_step_is_resumed_after_it(tmp_path: Path) -> None:
+    from aioep_cuda._check import _benchmark
+
+    (tmp_path / "bench.py").write_text(_FAKE_BENCH)
+    data = _benchmark(
+        "bench.py",
+        py=sys.executable,
+        env=dict(os.environ),
+        checkout=tmp_path,
+        scratch=tmp_path,
+        quick=True,
+        timeout=60,
+        resumable=True,
+    )
+    assert data["a"] == data["c"] == 1.0  # before and after the step it died in
+    assert "b" not in data
+    assert data["errors"]["b"] == "the benchmark process died of SIGSEGV during this step"
+    assert data["deaths"] == ["b: the process died of SIGSEGV"]
+    assert data["exit_status"] == 1
