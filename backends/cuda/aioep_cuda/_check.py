@@ -52,7 +52,7 @@ _BENCH = "benchmarks/cuda_copy.py"
 _ARENA = "benchmarks/arena.py"
 _GOOD = ("pass", "skip")
 _BUDGET = 480.0
-_TEST_TIMEOUT = 60.0
+_TEST_TIMEOUT = 45.0
 _ISOLATE_CASES = 2  # cases per crashed function run again alone
 
 
