@@ -147,6 +147,24 @@ class CopyDispatcher:
             what = "copy_tensors" if failure is None else _describe(failure[0])
             error = None if failure is None else failure[1]
             return CopyFuture.completed(plan.dst, Notification(_Completed(error)), what)
+        if len(plan.groups) == 1 and not plan.packs:
+            # The backend may enqueue the batch on a stream of its own (no worker-thread hop,
+            # no thread blocked until the device is done).
+            transfer, pairs = plan.groups[0]
+            try:
+                started = transfer.enqueue_unstreamed(pairs)
+            except Exception as exc:
+                error = translate_backend_error(exc, f"enqueueing copies ({_describe(transfer)})")
+                if error is exc:
+                    raise
+                raise error from exc
+            if started is not None:
+                future = CopyFuture(
+                    plan.src + plan.dst, plan.dst, Notification(started), _describe(transfer)
+                )
+                if not future.done():
+                    self._track(future, frozenset(plan.libraries))
+                return future
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
         future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)

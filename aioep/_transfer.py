@@ -14,7 +14,7 @@ import numpy.typing as npt
 from ._errors import InvalidArgument, NotImplementedByEp
 from ._ownership import Scope, check_owner
 from ._routes import Route, RouteCache, RouteKey
-from ._stream_impl import StreamImpl
+from ._stream_impl import NotificationImpl, StreamImpl
 from ._tensor import Tensor, as_tensor
 from ._types import MemoryDevice
 
@@ -51,6 +51,16 @@ class DataTransfer(abc.ABC):
         stream, enqueue the copies in order on it and return at once. The pairs
         are already validated: equal sizes, no overlaps, ``can_copy`` true.
         """
+
+    def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> NotificationImpl | None:
+        """Optionally start an un-streamed batch without blocking and without a worker thread.
+
+        Return a notification, already activated, that completes when the copies are
+        done (the backend enqueued them on a stream of its own, say), or None (the
+        default) to have the core run ``copy_tensors(pairs, None)`` on a worker thread.
+        Called on the caller's thread, often the event loop: it must not wait.
+        """
+        return None
 
     def close(self) -> None:
         """Release resources; called when the library is unregistered."""

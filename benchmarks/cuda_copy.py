@@ -2,13 +2,20 @@
 
 1. Pinned H2D / D2H bandwidth for 1 GiB, aioep vs CuPy (or raw cuda.bindings when CuPy is
    missing) doing the same copy in the same run. Target: >= 0.95x.
-2. ``await stream`` wake latency after a small copy vs ``await asyncio.to_thread(event
-   synchronize)`` and vs numba-cuda's ``await stream.async_done()``; aioep's ``wake=poll``
-   fallback too. Targets: <= 0.5x of to_thread and <= numba.
+2. Wake latency after a 4 KiB pinned copy, medians: ``await stream`` with the default wake
+   (a bounded poll, then the host function), ``wake="hostfn"`` and ``wake="poll"``;
+   awaiting the copy's own future (with a stream and without one) measured side by side
+   with ``await stream`` in one run; ``await asyncio.to_thread(cuEventSynchronize)`` and
+   numba-cuda's ``await stream.async_done()`` as baselines. Targets: default wake <= 0.5x
+   to_thread; the future <= 1.2x ``await stream`` and <= 0.5x to_thread.
 3. Event-loop max lag while 8 GiB of copies are in flight. Target: <= 2 ms.
 4. 1000 concurrent awaiters on 8 streams: thread count constant.
 
-Writes benchmarks/results/cuda_copy.json (or ``--json PATH``). Run:
+Writes benchmarks/results/cuda_copy.json (or ``--json PATH``) after every step: a step that
+fails (an optional baseline whose library breaks, say) records its error under ``errors``
+and the other figures are still measured; a crash keeps what was written. Exit status 1
+when a step other than the numba comparison failed. ``--resume`` carries on from the JSON of
+a run that died (``check-gpu`` does that): the step it died in is recorded as failed. Run:
 ``python benchmarks/cuda_copy.py [--quick] [--json PATH]``; ``--quick`` uses small sizes
 (16 MiB copies, 64 MiB in flight, 50 latency samples) for a smoke test, e.g. on the
 emulated driver that ``python -m aioep check-gpu --emulator`` uses; its figures are not the
@@ -26,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,6 +161,7 @@ async def _bandwidth(env: Any, gpu: Any, results: dict[str, Any], sizes: Sizes) 
 
 
 async def _latency(env: Any, gpu: Any, n: int = 300) -> float:
+    """Median ``await stream`` after a 4 KiB pinned H2D copy (the await alone), in us."""
     import aioep
 
     pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
@@ -167,6 +175,42 @@ async def _latency(env: Any, gpu: Any, n: int = 300) -> float:
             await stream
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e6
+
+
+async def _future_latency(env: Any, gpu: Any, n: int = 300) -> dict[str, float]:
+    """Medians, in us, interleaved in one run so drift hits each alike, of waking after a
+    4 KiB pinned H2D copy: ``await stream`` after the copy; awaiting the copy's own future
+    (made with a stream, and without one); each also timed from before the
+    ``copy_tensors`` call (``*_call``: enqueueing included)."""
+    import aioep
+
+    pinned = gpu.memory_info(aioep.MemoryType.HOST_ACCESSIBLE)
+    src = env.empty((4096,), "uint8", pinned)
+    dst = env.empty((4096,), "uint8", gpu.memory_info(aioep.MemoryType.DEFAULT))
+    kinds = ("await_stream", "future_streamed", "future_unstreamed")
+    waits: dict[str, list[float]] = {k: [] for k in kinds}
+    calls: dict[str, list[float]] = {k: [] for k in kinds}
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([src], [dst])  # warm-up: the un-streamed path's own stream
+        for _ in range(n):
+            for kind in kinds:
+                t0 = time.perf_counter()
+                if kind == "await_stream":
+                    env.copy_tensors([src], [dst], stream=stream)
+                    t1 = time.perf_counter()
+                    await stream
+                else:
+                    future = env.copy_tensors(
+                        [src], [dst], stream=stream if kind == "future_streamed" else None
+                    )
+                    t1 = time.perf_counter()
+                    await future
+                t2 = time.perf_counter()
+                waits[kind].append(t2 - t1)
+                calls[kind].append(t2 - t0)
+    out = {k: statistics.median(v) * 1e6 for k, v in waits.items()}
+    out.update({f"{k}_call": statistics.median(v) * 1e6 for k, v in calls.items()})
+    return out
 
 
 def _to_thread_latency(n: int = 300) -> float:
@@ -304,47 +348,159 @@ async def _awaiters(env: Any, gpu: Any, results: dict[str, Any]) -> None:
         await s.aclose()
 
 
-async def _main(sizes: Sizes) -> dict[str, Any]:
+class _Results:
+    """The figures so far, written to the JSON file after every step: a step that fails
+    records its error under ``errors`` and the others go on; a crash keeps what was
+    written (``running`` names the step it happened in, ``done`` the steps finished), and
+    ``--resume`` carries on after it."""
+
+    def __init__(self, path: Path, sizes: str, *, resume: bool = False) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "sizes": sizes,
+            "errors": {},
+            "running": None,
+            "done": [],
+            "latency_us": {},
+        }
+        if resume and path.is_file():
+            previous = json.loads(path.read_text())
+            if previous.get("sizes") == sizes:
+                self.data.update(previous)
+                crashed = previous.get("running")
+                if crashed:  # the process died in it: record that, never run it again
+                    self.data["errors"][crashed] = "the process died during this step"
+                    self.data["running"] = None
+                    self.data["done"].append(crashed)
+                self.data["resumed"] = self.data.get("resumed", 0) + 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        """Run step ``name`` unless an earlier run finished it (or died in it)."""
+        if name in self.data["done"]:
+            return
+        self.data["running"] = name
+        self.write()
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        try:
+            fn()
+        except Exception as exc:
+            self.data["errors"][name] = f"{type(exc).__name__}: {exc}"
+            print(f"{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self.data["running"] = None
+            self.data["done"].append(name)
+            self.write()
+
+
+async def _with_env(wake: str | None, fn: Any) -> Any:
     import aioep
 
-    results: dict[str, Any] = {}
-    async with aioep.Environment(backends=["cuda"]) as env:
+    options = {"cuda": {"wake": wake}} if wake else None
+    async with aioep.Environment(backends=["cuda"], backend_options=options) as env:
         gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
-        results["device"] = dict(gpu.hardware.metadata)
-        await _bandwidth(env, gpu, results, sizes)
-        results["latency_us"] = {"aioep_hostfn": await _latency(env, gpu, sizes.latency_samples)}
-        await _loop_lag(env, gpu, results, sizes)
-        await _awaiters(env, gpu, results)
-    async with aioep.Environment(
-        backends=["cuda"], backend_options={"cuda": {"wake": "poll"}}
-    ) as env:
-        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
-        results["latency_us"]["aioep_poll"] = await _latency(env, gpu, sizes.latency_samples)
-    return results
+        return await fn(env, gpu)
+
+
+def _ratios(lat: dict[str, Any]) -> None:
+    base = lat.get("to_thread_event_sync")
+    if "aioep_default" in lat and base:
+        lat["ratio_vs_to_thread"] = lat["aioep_default"] / base
+    if "await_stream" in lat:
+        future = max(lat["future_streamed"], lat["future_unstreamed"])
+        lat["future_vs_await_stream"] = future / lat["await_stream"]
+        if base:
+            lat["future_vs_to_thread"] = future / base
+    if lat.get("numba_async_done") and "aioep_default" in lat:
+        lat["ratio_vs_numba"] = lat["aioep_default"] / lat["numba_async_done"]
+    lat["targets"] = (
+        "default wake <= 0.5x to_thread; the future (the slower of streamed and un-streamed) "
+        "<= 1.2x await stream and <= 0.5x to_thread; numba for comparison"
+    )
+
+
+def _run_all(out: _Results, sizes: Sizes) -> None:
+    data = out.data
+    lat: dict[str, Any] = data["latency_us"]
+    n = sizes.latency_samples
+
+    def on_env(fn: Any, wake: str | None = None) -> Callable[[], None]:
+        return lambda: asyncio.run(_with_env(wake, fn))
+
+    async def device(env: Any, gpu: Any) -> None:
+        data["device"] = dict(gpu.hardware.metadata)
+
+    async def latency(env: Any, gpu: Any) -> None:
+        # The default wake: the future and `await stream` measured side by side.
+        lat.update(await _future_latency(env, gpu, n))
+        lat["aioep_default"] = lat["await_stream"]
+
+    async def latency_hostfn(env: Any, gpu: Any) -> None:
+        lat["aioep_hostfn"] = await _latency(env, gpu, n)
+
+    async def latency_poll(env: Any, gpu: Any) -> None:
+        lat["aioep_poll"] = await _latency(env, gpu, n)
+
+    def to_thread() -> None:
+        lat["to_thread_event_sync"] = _to_thread_latency(n)
+
+    async def awaiters(env: Any, gpu: Any) -> None:
+        await _awaiters(env, gpu, data)
+
+    async def bandwidth(env: Any, gpu: Any) -> None:
+        await _bandwidth(env, gpu, data, sizes)
+
+    async def loop_lag(env: Any, gpu: Any) -> None:
+        await _loop_lag(env, gpu, data, sizes)
+
+    def numba() -> None:
+        lat["numba_async_done"] = _numba_latency(n)
+
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("device", on_env(device)),
+        ("latency", on_env(latency)),
+        ("latency_hostfn", on_env(latency_hostfn, "hostfn")),
+        ("latency_poll", on_env(latency_poll, "poll")),
+        ("to_thread", to_thread),
+        ("awaiters", on_env(awaiters)),
+        ("bandwidth", on_env(bandwidth)),
+        ("loop_lag", on_env(loop_lag)),
+        # Optional baselines last: a library that breaks (numba-cuda 0.30's async_done with
+        # cuda-bindings 13) costs only its own figure.
+        ("numba", numba),
+    ]
+    for name, fn in steps:
+        out.run(name, fn)
+        _ratios(lat)
+        out.write()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"output (default {RESULTS})")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="carry on from the JSON of a run that died: skip the steps it finished and the "
+        "one it died in (recorded as failed)",
+    )
     args = parser.parse_args(argv)
     if not _gpu_available():
         print("skipped: no GPU")
         return 0
-    sizes = QUICK if args.quick else FULL
-    results = asyncio.run(_main(sizes))
-    results["sizes"] = "quick" if args.quick else "full"
-    lat = results["latency_us"]
-    lat["to_thread_event_sync"] = _to_thread_latency(sizes.latency_samples)
-    lat["numba_async_done"] = _numba_latency(sizes.latency_samples)
-    lat["ratio_vs_to_thread"] = lat["aioep_hostfn"] / lat["to_thread_event_sync"]
-    if lat["numba_async_done"]:
-        lat["ratio_vs_numba"] = lat["aioep_hostfn"] / lat["numba_async_done"]
-    lat["targets"] = "<= 0.5x to_thread, <= 1.0x numba"
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
-    return 0
+    sizes = "quick" if args.quick else "full"
+    out = _Results(args.json, sizes, resume=args.resume)
+    _run_all(out, QUICK if args.quick else FULL)
+    print(json.dumps(out.data, indent=2, default=str))
+    figures_failed = [k for k in out.data["errors"] if k != "numba"]  # numba: a comparison
+    return 1 if figures_failed else 0
 
 
 if __name__ == "__main__":

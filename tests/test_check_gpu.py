@@ -4,16 +4,18 @@ emulated driver, the no-GPU answer, and how figures are judged."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cuda_emulator import compiler, probe_real_gpu
 
 pytest.importorskip("aioep_cuda")
 
-from aioep_cuda._check import FIGURES, find_checkout, judge
+from aioep_cuda._check import FIGURES, find_checkout, judge, run_tests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,22 +51,33 @@ def test_check_gpu_on_the_emulator_writes_one_summary(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())
     assert done.returncode == 0, (done.stderr, summary)
     assert summary["status"] == "ok"
+    assert summary["ok"] is True
     assert summary["emulated"] is True
     driver = summary["driver"]
     assert driver["library"].endswith("libcuda.so.1")
     assert "emulator" in driver["devices"][0]["name"]
     tests = summary["tests"]
     assert tests["passed"] >= 8  # bit-exact copies, pinned host, both loops
-    assert tests["failed"] == tests["errors"] == 0
+    assert tests["failed"] == tests["errors"] == tests["crashed"] == tests["hung"] == 0
+    assert {t["outcome"] for t in tests["tests"]} <= {"pass", "skip"}
+    assert len(tests["children"]) == 1  # nothing crashed: one process ran every test
     bench = summary["cuda_copy"]
     assert bench["sizes"] == "quick"
+    assert bench["errors"] == {}
     assert bench["bandwidth"]["h2d_gbps"] > 0
-    assert bench["latency_us"]["aioep_hostfn"] > 0
+    latency = bench["latency_us"]
+    for key in ("aioep_default", "aioep_hostfn", "aioep_poll", "to_thread_event_sync"):
+        assert latency[key] > 0
+    for key in ("future_streamed", "future_unstreamed", "await_stream"):
+        assert latency[key] > 0
     assert bench["awaiters"]["constant"] is True
     assert "pairs" in summary["arena"]
     assert "skipped" in summary["dlpack"]["status"]
-    assert set(summary["figures"]) == {key for key, *_ in FIGURES}
-    assert all(f["met"] is None for f in summary["figures"].values())  # the emulator: not judged
+    figures = summary["figures"]
+    assert set(figures) == {key for key, *_ in FIGURES}
+    assert all(f["met"] is None for f in figures.values())  # the emulator: not judged
+    assert all(f["ok"] for f in figures.values())
+    assert "not counted" in figures["arena_vs_cupy_pool"]["why"]  # CuPy needs a real GPU
     assert "summary written" in done.stderr
 
 
@@ -81,22 +94,219 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
     assert summary["driver"].get("error") or summary["driver"].get("load_error")
 
 
-def test_figures_are_judged_against_their_targets() -> None:
-    results = {
+def _results(**latency: float) -> dict[str, Any]:
+    return {
         "cuda_copy": {
             "bandwidth": {"baseline": "cupy", "h2d_ratio": 0.97, "d2h_ratio": 0.9},
-            "latency_us": {"ratio_vs_to_thread": 0.3},
+            "latency_us": {
+                "ratio_vs_to_thread": 0.3,
+                "future_vs_await_stream": 1.1,
+                "future_vs_to_thread": 0.6,
+                "aioep_default": 17.0,
+                "aioep_hostfn": 26.0,
+                "aioep_poll": 17.4,
+                **latency,
+            },
             "loop_lag": {"max_lag_ms": 2.5},
             "awaiters": {"constant": True},
+            "errors": {},
         },
         "arena": {"gpu": {"skipped": "CuPy is not installed"}},
     }
-    figures = judge(results, judged=True)
+
+
+def test_figures_are_judged_against_their_targets() -> None:
+    figures = judge(_results(), judged=True)
     assert figures["pinned_h2d_vs_cupy"]["met"] is True
     assert figures["pinned_d2h_vs_cupy"]["met"] is False
+    assert "misses the target >= 0.95" in figures["pinned_d2h_vs_cupy"]["why"]
     assert figures["wake_vs_to_thread"]["met"] is True
+    assert figures["future_vs_await_stream"]["met"] is True
+    assert figures["future_vs_to_thread"]["met"] is False
+    assert figures["default_wake_vs_best"]["met"] is True  # 17.0 / min(26.0, 17.4)
     assert figures["loop_lag_ms"]["met"] is False
     assert figures["awaiters_threads_constant"]["met"] is True
-    assert figures["arena_vs_cupy_pool"]["met"] is None
-    assert "CuPy is not installed" in figures["arena_vs_cupy_pool"]["note"]
-    assert all(f["met"] is None for f in judge(results, judged=False).values())
+    # A figure that was not measured is not ok, and says why.
+    assert figures["arena_vs_cupy_pool"]["met"] is False
+    assert figures["arena_vs_cupy_pool"]["ok"] is False
+    assert "CuPy is not installed" in figures["arena_vs_cupy_pool"]["why"]
+    unjudged = judge(_results(), judged=False)
+    assert all(f["met"] is None for f in unjudged.values())
+    assert unjudged["pinned_d2h_vs_cupy"]["ok"] is True  # measured: fine when not judged
+
+
+def test_a_failed_benchmark_step_costs_only_its_own_figures() -> None:
+    results = _results()
+    latency = results["cuda_copy"]["latency_us"]
+    for key in ("ratio_vs_to_thread", "future_vs_to_thread"):
+        del latency[key]
+    results["cuda_copy"]["errors"] = {"to_thread": "AttributeError: no attribute 'value'"}
+    figures = judge(results, judged=True)
+    for key in ("wake_vs_to_thread", "future_vs_to_thread"):
+        assert figures[key]["ok"] is False
+        assert "to_thread step failed: AttributeError" in figures[key]["why"]
+    assert figures["future_vs_await_stream"]["met"] is True
+    assert figures["pinned_h2d_vs_cupy"]["met"] is True
+    # A benchmark that died: the figures it had not reached say where it ended.
+    died = {"cuda_copy": {"running": "loop_lag", "exit_status": -11, "errors": {}}}
+    why = judge(died, judged=True)["loop_lag_ms"]["why"]
+    assert "ended during its loop_lag step" in why
+    # On the emulator only what it can measure counts.
+    emulated = {**_results(), "emulated": True}
+    figures = judge(emulated, judged=False)
+    assert figures["arena_vs_cupy_pool"]["ok"] is True
+    assert "not counted" in figures["arena_vs_cupy_pool"]["why"]
+
+
+_FAKE_TESTS = """
+import os, signal, threading, time
+import pytest
+
+def test_passes():
+    assert True
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_crashes(n):
+    if n == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_hangs():
+    threading.Thread(target=time.sleep, args=(3600,), name="stuck-helper", daemon=True).start()
+    time.sleep(3600)
+
+@pytest.mark.parametrize("n", range(4))
+def test_always_crashes(n):
+    os.abort()
+
+def test_after_the_trouble():
+    assert True
+
+@pytest.mark.skip(reason="not today")
+def test_skipped():
+    pass
+"""
+
+
+def _bare_env() -> dict[str, str]:
+    # The fake tests need no plugin: children start faster without them.
+    return {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+
+def test_a_crash_or_a_hang_hides_no_other_test(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_fake.py").write_text(_FAKE_TESTS)
+    (tmp_path / "tests" / "test_more.py").write_text("def test_in_another_file():\n    pass\n")
+    lines: list[str] = []
+    summary = run_tests(
+        checkout=tmp_path,
+        env=_bare_env(),
+        files=["tests/test_fake.py", "tests/test_more.py", "tests/test_missing.py"],
+        budget=120,
+        test_timeout=2,
+        max_deaths_per_function=2,
+        log=lines.append,
+    )
+    outcomes = {t["nodeid"].split("::")[1]: t for t in summary["tests"]}
+    assert outcomes["test_passes"]["outcome"] == "pass"
+    assert outcomes["test_fails"]["outcome"] == "fail"
+    assert "one is not two" in outcomes["test_fails"]["message"]
+    assert outcomes["test_crashes[0]"]["outcome"] == "pass"
+    crash = outcomes["test_crashes[1]"]
+    assert crash["outcome"] == "crash"
+    assert crash["signal"] == "SIGSEGV"
+    assert "test_crashes" in crash["stacks"]  # the stack of the thread that crashed
+    assert crash["isolated"]["outcome"] == "crash"  # alone, too: its own crash
+    hang = outcomes["test_hangs"]
+    assert hang["outcome"] == "hang"
+    assert "test_hangs" in hang["stacks"]
+    assert hang["stacks"].count("Thread 0x") >= 2  # every thread, the stuck helper too
+    # Two cases of a function crashed: its other cases are not run, saying why.
+    always = [outcomes[f"test_always_crashes[{n}]"] for n in range(4)]
+    assert [a["outcome"] for a in always] == ["crash", "crash", "not-run", "not-run"]
+    assert always[0]["signal"] == "SIGABRT"
+    assert "2 cases of this function crashed" in always[2]["message"]
+    assert "isolated" in always[1]  # the first two cases run again alone
+    assert "isolated" not in always[2]
+    assert outcomes["test_after_the_trouble"]["outcome"] == "pass"
+    assert outcomes["test_in_another_file"]["outcome"] == "pass"
+    assert outcomes["test_skipped"]["outcome"] == "skip"
+    assert "not today" in outcomes["test_skipped"]["message"]
+    assert (summary["crashed"], summary["hung"], summary["failed"]) == (3, 1, 1)
+    assert summary["functions"]["tests/test_fake.py::test_crashes"] == "crash"
+    assert summary["isolated"] == {
+        "tests/test_fake.py::test_crashes": "crash",
+        "tests/test_fake.py::test_always_crashes": "crash",
+        "tests/test_fake.py::test_hangs": "hang",
+    }
+    assert summary["missing_files"] == ["tests/test_missing.py"]
+    assert summary["ok"] is False
+    assert "test_crashes[1] (crash)" in summary["why"]
+    assert any("crash: tests/test_fake.py::test_crashes[1]" in line for line in lines)
+
+
+def test_the_time_budget_bounds_the_run(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_slow.py").write_text(
+        "import time\n\ndef test_a():\n    time.sleep(3600)\n\ndef test_b():\n    pass\n"
+    )
+    summary = run_tests(
+        checkout=tmp_path,
+        env=_bare_env(),
+        files=["tests/test_slow.py"],
+        budget=6,
+        test_timeout=60,
+        isolate="none",
+        log=lambda line: None,
+    )
+    outcomes = {t["nodeid"].split("::")[1]: t["outcome"] for t in summary["tests"]}
+    assert outcomes["test_a"] == "hang"  # the budget, not the per-test timeout, ended it
+    assert "60 s" not in summary["tests"][0]["message"]
+    assert outcomes["test_b"] == "not-run"
+    assert summary["ok"] is False
+
+
+_FAKE_BENCH = """
+import json, os, signal, sys
+path = sys.argv[sys.argv.index("--json") + 1]
+data = {"sizes": "quick", "errors": {}, "done": [], "running": None}
+if "--resume" in sys.argv:
+    data = json.load(open(path))
+    data["errors"][data["running"]] = "the process died during this step"
+    data["done"].append(data["running"])
+for step in ("a", "b", "c"):
+    if step in data["done"]:
+        continue
+    data["running"] = step
+    json.dump(data, open(path, "w"))
+    if step == "b":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    data[step] = 1.0
+    data["running"] = None
+    data["done"].append(step)
+json.dump(data, open(path, "w"))
+sys.exit(1)
+"""
+
+
+def test_a_benchmark_that_dies_in_a_step_is_resumed_after_it(tmp_path: Path) -> None:
+    from aioep_cuda._check import _benchmark
+
+    (tmp_path / "bench.py").write_text(_FAKE_BENCH)
+    data = _benchmark(
+        "bench.py",
+        py=sys.executable,
+        env=dict(os.environ),
+        checkout=tmp_path,
+        scratch=tmp_path,
+        quick=True,
+        timeout=60,
+        resumable=True,
+    )
+    assert data["a"] == data["c"] == 1.0  # before and after the step it died in
+    assert "b" not in data
+    assert data["errors"]["b"] == "the benchmark process died of SIGSEGV during this step"
+    assert data["deaths"] == ["b: the process died of SIGSEGV"]
+    assert data["exit_status"] == 1

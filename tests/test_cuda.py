@@ -597,46 +597,72 @@ async def test_thousand_awaiters_on_eight_streams_constant_threads(
 @pytest.mark.gpu
 @needs_gpu
 async def test_interop_cupy_or_torch(env: aioep.Environment, gpu: aioep.EpDevice) -> None:
+    """CuPy and PyTorch work on an aioep stream and read an aioep tensor without a copy.
+
+    CuPy 14 deprecates ``cupy.cuda.ExternalStream`` (a DeprecationWarning at every call) for
+    ``cupy.cuda.Stream.from_external(obj)``, which takes an object with ``__cuda_stream__``
+    (the CUDA stream protocol) and the device that is current; older CuPy takes
+    ``ExternalStream(ptr, device_id)``. PyTorch offers ``get_stream_from_external(ptr,
+    device)``. No warning is silenced: each library is called the way it asks to be.
+    """
     if EMULATED:
         pytest.skip(
             "CuPy and PyTorch need the real driver (their runtime does not run on the emulator)"
         )
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except ImportError:
+        cupy = None
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        torch = None
+    use_torch = torch is not None and torch.cuda.is_available()
+    if cupy is None and not use_torch:
+        pytest.skip("neither CuPy nor PyTorch (with CUDA) is installed")
+    device_id = _mem(gpu).device.device_id
     data = np.arange(4096, dtype=np.float32)
+    out = np.zeros_like(data)
     async with env.create_sync_stream(gpu) as stream:
         t = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
         await env.copy_tensors([data], [t], stream=stream)
         cai = t.__cuda_array_interface__
         assert cai["data"][0] == t.data_ptr
         assert cai["stream"] == stream.handle
-        checked = 0
-        try:
-            import cupy  # type: ignore[import-not-found]
-        except ImportError:
-            cupy = None
         if cupy is not None:
-            with cupy.cuda.ExternalStream(stream.handle):
-                c = cupy.asarray(t)  # zero-copy through __cuda_array_interface__
-                assert c.data.ptr == t.data_ptr
-                c *= 2
-            d = cupy.from_dlpack(t)
-            assert d.data.ptr == t.data_ptr
-            checked += 1
-        try:
-            import torch  # type: ignore[import-not-found]
-        except ImportError:
-            torch = None
-        if torch is not None and torch.cuda.is_available():
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream.handle)):
+            with cupy.cuda.Device(device_id):
+                if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
+
+                    class _Protocol:
+                        def __cuda_stream__(self) -> tuple[int, int]:
+                            return (0, stream.handle)
+
+                    cupy_stream = cupy.cuda.Stream.from_external(_Protocol())
+                else:
+                    cupy_stream = cupy.cuda.ExternalStream(stream.handle, device_id)
+                assert cupy_stream.ptr == stream.handle
+                with cupy_stream:
+                    c = cupy.asarray(t)  # zero-copy through __cuda_array_interface__
+                    assert c.data.ptr == t.data_ptr
+                    c *= 2  # enqueued on our stream
+                    d = cupy.from_dlpack(t)
+                    assert d.data.ptr == t.data_ptr
+                del c, d, cupy_stream
+        if use_torch:
+            assert torch is not None
+            if hasattr(torch.cuda, "get_stream_from_external"):
+                torch_stream = torch.cuda.get_stream_from_external(stream.handle, device_id)
+            else:
+                torch_stream = torch.cuda.ExternalStream(stream.handle, device=device_id)
+            with torch.cuda.stream(torch_stream):
                 x = torch.from_dlpack(t)
                 assert x.data_ptr() == t.data_ptr
                 x += 1  # enqueued on our stream
-            checked += 1
-        if not checked:
-            pytest.skip("neither CuPy nor PyTorch is installed")
-        out = np.zeros_like(data)
-        await env.copy_tensors([t], [out], stream=stream)
+            del x, torch_stream
+        await env.copy_tensors([t], [out], stream=stream)  # after their work, in stream order
+        del t  # no view or tensor outlives the environment
     expected = data * 2 if cupy is not None else data.copy()
-    if torch is not None and torch.cuda.is_available():
+    if use_torch:
         expected = expected + 1
     np.testing.assert_array_equal(out, expected)
 

@@ -36,7 +36,7 @@ from ._wake import Dispatcher
 __all__ = ["CudaFactory", "CudaOptions"]
 
 _OWNER = "cuda backend"
-_CHOICES = {"allocator": ("async", "sync"), "wake": ("hostfn", "poll")}
+_CHOICES = {"allocator": ("async", "sync"), "wake": ("auto", "hostfn", "poll")}
 _KNOWN = (*_CHOICES, "pool_release_threshold", "pinned_pool_limit")
 
 
@@ -58,8 +58,10 @@ class CudaOptions:
     Attributes:
         allocator: ``"async"`` (stream-ordered ``cuMemAllocAsync`` on the device's
             default memory pool; the default) or ``"sync"`` (``cuMemAlloc``).
-        wake: ``"hostfn"`` (a ``sem_post`` host function wakes the dispatcher; the
-            default) or ``"poll"`` (``cuEventQuery`` with backoff; for comparison).
+        wake: ``"auto"`` (the default: the dispatcher thread polls a new waiter's event
+            for up to 100 us, then its ``sem_post`` host function wakes it), ``"hostfn"``
+            (the host function only) or ``"poll"`` (``cuEventQuery`` with backoff only; for
+            comparison).
         pool_release_threshold: bytes the default memory pool keeps cached across
             synchronisations (``CU_MEMPOOL_ATTR_RELEASE_THRESHOLD``); -1 leaves the
             driver's setting (0: return memory at every synchronisation).
@@ -70,7 +72,7 @@ class CudaOptions:
     """
 
     allocator: str = "async"
-    wake: str = "hostfn"
+    wake: str = "auto"
     pool_release_threshold: int = -1
     pinned_pool_limit: int = DEFAULT_PINNED_POOL_LIMIT
 

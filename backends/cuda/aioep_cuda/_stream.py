@@ -38,7 +38,7 @@ class CudaStream(StreamImpl):
     """
 
     def __init__(
-        self, device: CudaDevice, dispatcher: Dispatcher, *, wake: str = "hostfn", owner: Any = None
+        self, device: CudaDevice, dispatcher: Dispatcher, *, wake: str = "auto", owner: Any = None
     ) -> None:
         self.device = device
         self.dispatcher = dispatcher
@@ -332,10 +332,10 @@ class CudaNotification(NotificationImpl):
         stream = self._stream
         dispatcher = stream.dispatcher
         check = functools.partial(self._check, gen)
-        if stream.wake == "hostfn":
+        if stream.wake != "poll":  # "auto" (a bounded poll first) or "hostfn"
             with stream.lock:
                 if not stream.closed and stream.seq == self._seq:
-                    dispatcher.watch_ordered(stream.key, check)
+                    dispatcher.watch_ordered(stream.key, check, poll_first=stream.wake == "auto")
                     with ctx_current(stream.device.ctx):
                         err = launch_host_func(
                             stream.handle, dispatcher.post_address, dispatcher.post_argument

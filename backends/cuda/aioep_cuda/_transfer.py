@@ -4,7 +4,9 @@ Pinned and device memory: every pair of a batch is enqueued on the one stream
 and the call returns at once. Pageable host memory is the exception: CUDA
 copies it synchronously (H2D returns once the data is staged, D2H once it has
 landed), so such a copy must not be issued on the event loop. Without a stream
-the core already runs the whole batch on a worker thread. With a stream the
+a batch of pinned and device memory is enqueued on the transfer's own stream of the
+device (:meth:`CudaDataTransfer.enqueue_unstreamed`: no thread hop, the dispatcher wakes
+the awaiter); a batch with pageable memory runs on the core's worker thread. With a stream the
 pageable pairs go through a *gate*:
 
 1. on the caller's stream S: record an event (the work before the copy), then
@@ -32,7 +34,7 @@ from aioep.abc import CopyPair, DataTransfer, StreamImpl
 
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._driver import call_nogil, check, ctx_current, driver, error_name
-from ._stream import CudaStream
+from ._stream import CudaNotification, CudaStream
 
 __all__ = ["CudaDataTransfer", "PageableCopier"]
 
@@ -198,6 +200,9 @@ class CudaDataTransfer(DataTransfer):
         self._pageable = PageableCopier()
         self._stream_mem_ops = True
         self._peer_done: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        self._own_streams: dict[int, CudaStream] = {}  # device ordinal -> un-streamed copies
+        self._closed = False
 
     # -- routing ---------------------------------------------------------------------------
     def _ours(self, d: MemoryDevice) -> bool:
@@ -241,6 +246,42 @@ class CudaDataTransfer(DataTransfer):
             check(drv.cuEventRecord(event, cu), "cuEventRecord")
             # A blocking-sync event: the thread sleeps in the driver, it does not spin.
             check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+
+    def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> CudaNotification | None:
+        """Pinned and device memory only: enqueue the batch on this transfer's own stream of
+        the device and return an activated notification (woken by the dispatcher, like any
+        stream's). Pageable memory (a synchronous copy) goes to the core's worker thread."""
+        if not pairs:
+            return None
+        for s, d in pairs:
+            if "pageable" in (
+                self._locate(s.device, s.data_ptr)[0],
+                self._locate(d.device, d.data_ptr)[0],
+            ):
+                return None
+        stream = self._own_stream(self._batch_device(pairs))
+        if stream is None:
+            return None
+        with stream.lock:
+            self._enqueue(pairs, stream)
+            mark = stream.create_notification()
+            mark.activate()
+        return mark
+
+    def _own_stream(self, dev: CudaDevice) -> CudaStream | None:
+        with self._lock:
+            if self._closed:
+                return None
+            stream = self._own_streams.get(dev.ordinal)
+            if stream is None:
+                dispatcher = getattr(self._owner, "dispatcher", None)
+                options = getattr(self._owner, "options", None)
+                if dispatcher is None:
+                    return None
+                wake = getattr(options, "wake", "auto")
+                stream = CudaStream(dev, dispatcher, wake=wake, owner=self._owner)
+                self._own_streams[dev.ordinal] = stream
+            return stream
 
     def _batch_device(self, pairs: Sequence[CopyPair]) -> CudaDevice:
         for s, d in pairs:
@@ -346,6 +387,11 @@ class CudaDataTransfer(DataTransfer):
         return True
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams, self._own_streams = list(self._own_streams.values()), {}
+        for stream in streams:  # queued work still runs; its waiters are polled to the end
+            stream.close()
         self._pageable.close()
 
 
