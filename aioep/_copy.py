@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._errors import InvalidArgument, translate_backend_error
+from ._foreign import has_foreign, import_copy_args, importers_of
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
 from ._notification import Notification
@@ -62,6 +63,9 @@ class CopyDispatcher:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:
                 return CopyFuture.completed(done, Notification(_Completed(None)))
+        waits: list[NotificationImpl] = []
+        if has_foreign(src) or has_foreign(dst):
+            src, dst, waits = self._import(src, dst, stream)
         # The registry changes its list in place, maybe from another thread: route over a
         # snapshot (which RouteCache.table compares with its own at no extra cost).
         transfers = tuple(self._transfers)
@@ -75,7 +79,7 @@ class CopyDispatcher:
                 routes=self._routes,
                 defer_packing=True,
             )
-            return self._copy_unstreamed(plan)
+            return self._copy_unstreamed(plan, waits)
         if not isinstance(stream, SyncStream):
             raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
         stream._check_open()
@@ -96,6 +100,8 @@ class CopyDispatcher:
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
+            stream.wait(Notification(wait))
         if plan.packs:
             assert isinstance(impl, ThreadStream)  # only such streams defer packing
             impl.enqueue(plan.pack)
@@ -119,9 +125,28 @@ class CopyDispatcher:
                 return lib.name
         raise InvalidArgument(f"{stream!r} does not belong to this environment")
 
-    def _copy_unstreamed(self, plan: CopyPlan) -> CopyFuture:
+    def _import(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike], stream: SyncStream | None
+    ) -> tuple[list[TensorLike], list[TensorLike], list[NotificationImpl]]:
+        """Foreign arguments (DLPack, CUDA Array Interface) as tensors, and the producers'
+        work the copy waits for."""
+        impl = stream.impl if isinstance(stream, SyncStream) else None
+        importers = importers_of(lib.factory for lib in list(self._libraries.values()))
+        return import_copy_args(src, dst, importers, impl)
+
+    def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        waits = [w for w in waits if not w.query()]
+        if waits:
+            # A producer's stream still has work before the data is ready: wait for it on a
+            # copy thread, never on the loop.
+            signal = HostNotification()
+            what = " / ".join(_describe(t) for t, _ in plan.groups)
+            future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)
+            self._get_executor().submit(_run_plan_after, waits, plan, signal)
+            self._track(future, frozenset(plan.libraries))
+            return future
         if plan.inline:
             # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
             failure = _run_groups(plan)
@@ -257,6 +282,18 @@ def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
     plan.groups.clear()
     plan.packs.clear()
     signal.set(None if failure is None else failure[1])
+
+
+def _run_plan_after(
+    waits: list[NotificationImpl], plan: CopyPlan, signal: HostNotification
+) -> None:
+    for wait in waits:
+        wait.wait_on_host(None)
+        error = wait.error()
+        if error is not None:
+            signal.set(error)
+            return
+    _run_plan(plan, signal)
 
 
 class _Completed(NotificationImpl):

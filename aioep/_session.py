@@ -314,6 +314,7 @@ class Session(AsyncResource):
                 f"run_with_binding: {binding!r} is not an IOBinding of this session "
                 "(make one with session.io_binding())"
             )
+        await binding._producers_ready(stream)
         bound = binding._bound_outputs()
         into = {name: t for name, t in bound.items() if isinstance(t, Tensor)}
         outputs = await self._run(binding._run_inputs(), stream, "device", into)

@@ -436,3 +436,41 @@ def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = F
     raise InvalidArgument(
         f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}"
     )
+
+
+class ImportedBuffer(Buffer):
+    """Memory another library made and handed over (DLPack, CUDA Array Interface): owned by
+    its producer, usable by any environment whose backends own that device, never freed
+    by aioep.
+
+    ``producer`` is the object it came from; the buffer keeps it alive, and a release
+    callback (the DLPack deleter) runs when the buffer dies. :meth:`free` hands the memory
+    back to the producer early (never while a copy uses it).
+    """
+
+    __slots__ = ("producer",)
+
+    imported = True
+    """Marks memory owned by its producer (ownership checks let any environment use it)."""
+
+    def __init__(
+        self,
+        ptr: int,
+        nbytes: int,
+        memory_info: MemoryInfo,
+        *,
+        producer: object,
+        keep: object = None,
+        release: Callable[[], None] | None = None,
+        readonly: bool = False,
+    ) -> None:
+        super().__init__(
+            ptr, nbytes, memory_info, owner=(producer, keep), release=release, readonly=readonly
+        )
+        self.producer = producer
+
+    def __repr__(self) -> str:
+        return (
+            f"<ImportedBuffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r} "
+            f"from {type(self.producer).__name__}>"
+        )

@@ -27,6 +27,7 @@ from aioep.abc import (
 
 from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
+from ._dlpack import CudaMemoryImporter
 from ._driver import check, driver, load_driver
 from ._free import Freer
 from ._stream import CudaStream
@@ -204,6 +205,11 @@ class CudaFactory(EpFactory):
         if not self.devices:
             return None
         return CudaDataTransfer(self.devices, self)
+
+    def create_memory_importer(self) -> CudaMemoryImporter | None:
+        """Adopts device memory of these GPUs and page-locked host memory handed over by
+        DLPack (``kDLCUDA``, ``kDLCUDAHost``) or a CUDA Array Interface."""
+        return CudaMemoryImporter(self.devices) if self.devices else None
 
     def is_stream_aware(self) -> bool:
         return bool(self.devices)

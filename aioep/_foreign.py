@@ -1,0 +1,342 @@
+"""Foreign tensors: objects of other libraries (PyTorch, CuPy, JAX, numba...) taken
+zero-copy wherever aioep takes a tensor, through DLPack (``__dlpack__`` /
+``__dlpack_device__``) or the CUDA Array Interface (``__cuda_array_interface__``).
+
+The registered backends' :class:`~aioep.abc.MemoryImporter` hooks say which device owns
+the memory; the result is a :class:`Tensor` over an :class:`ImportedBuffer`, which keeps
+the producer alive, calls the DLPack deleter when it dies, and is never freed by aioep.
+Stream order follows the array API standard: the producer gets the consumer's stream in
+``__dlpack__(stream=...)``; a CUDA Array Interface's ``stream`` is waited on (on the
+device where the copy has a stream, else on a worker thread before the copy runs).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._dlpack import MAX_VERSION, DLDeviceType, read_capsule
+from ._errors import InvalidArgument
+from ._importer import MemoryImporter
+from ._notification import Notification
+from ._stream_impl import NotificationImpl, StreamImpl
+from ._tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
+
+if TYPE_CHECKING:
+    from ._environment import Environment
+    from ._factory import EpFactory
+    from ._stream import SyncStream
+
+__all__ = [
+    "as_tensor",
+    "has_foreign",
+    "import_copy_args",
+    "import_feeds",
+    "import_value",
+    "importers_of",
+    "is_foreign",
+]
+
+_cache: weakref.WeakKeyDictionary[EpFactory, MemoryImporter | None] = weakref.WeakKeyDictionary()
+
+
+def importers_of(factories: Iterable[EpFactory]) -> list[MemoryImporter]:
+    """The memory importers of ``factories`` (each factory's one, made on first use)."""
+    out = []
+    for factory in factories:
+        try:
+            importer = _cache[factory]
+        except KeyError:
+            importer = _cache[factory] = factory.create_memory_importer()
+        if importer is not None:
+            out.append(importer)
+    return out
+
+
+def is_foreign(value: object) -> bool:
+    """True for an object aioep takes through DLPack or the CUDA Array Interface (not a
+    Tensor or numpy array, which are taken as they are)."""
+    t = type(value)
+    if t is Tensor or t is np.ndarray or isinstance(value, (Tensor, np.ndarray)):
+        return False
+    return hasattr(t, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
+
+
+def has_foreign(values: object) -> bool:
+    """True when the list or tuple ``values`` holds a foreign object."""
+    if type(values) not in (list, tuple):
+        return False
+    for v in values:  # type: ignore[attr-defined]
+        t = type(v)
+        if t is not Tensor and t is not np.ndarray and is_foreign(v):
+            return True
+    return False
+
+
+def import_copy_args(
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    importers: Sequence[MemoryImporter],
+    stream: StreamImpl | None,
+) -> tuple[list[Any], list[Any], list[NotificationImpl]]:
+    """``src`` and ``dst`` of a ``copy_tensors`` call with foreign objects imported, and the
+    producers' work the copy must wait for."""
+    waits: list[NotificationImpl] = []
+    out: list[list[Any]] = []
+    for kind, values in (("source", src), ("destination", dst)):
+        converted = list(values)
+        for i, v in enumerate(converted):
+            if is_foreign(v):
+                converted[i], wait = as_tensor(
+                    v,
+                    role=f"copy_tensors {kind} {i}",
+                    writable=kind == "destination",
+                    importers=importers,
+                    stream=stream,
+                )
+                if wait is not None:
+                    waits.append(wait)
+        out.append(converted)
+    return out[0], out[1], waits
+
+
+def import_value(
+    env: Environment, value: object, role: str, *, writable: bool = False
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    """:func:`as_tensor` with ``env``'s importers and no stream (a value bound for later
+    use: IOBinding)."""
+    importers = importers_of(lib.factory for lib in list(env._libraries.values()))
+    return as_tensor(value, role=role, writable=writable, importers=importers, stream=None)
+
+
+async def import_feeds(
+    env: Environment, inputs: Any, stream: SyncStream | None
+) -> Any:
+    """A session run's ``inputs`` with foreign values imported (the mapping itself when it
+    holds none). The producers' pending work is waited for: on ``stream``, on the device,
+    or awaited here without blocking the loop."""
+    if not isinstance(inputs, Mapping) or not any(is_foreign(v) for v in inputs.values()):
+        return inputs
+    impl = None if stream is None else stream.impl
+    importers = importers_of(lib.factory for lib in list(env._libraries.values()))
+    out = dict(inputs)
+    waits: list[NotificationImpl] = []
+    for name, value in inputs.items():
+        if is_foreign(value):
+            out[name], wait = as_tensor(
+                value, role=f"run: input {name!r}", writable=False, importers=importers,
+                stream=impl,
+            )  # fmt: skip
+            if wait is not None:
+                waits.append(wait)
+    for wait in waits:
+        if stream is not None:
+            stream.wait(Notification(wait))
+        else:
+            await Notification(wait)
+    return out
+
+
+def as_tensor(
+    value: object,
+    *,
+    role: str,
+    writable: bool,
+    importers: Sequence[MemoryImporter],
+    stream: StreamImpl | None = None,
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    """Wrap a foreign object zero-copy for the argument named ``role``.
+
+    Returns the tensor (or, for strided host memory read as a source, a numpy view the
+    copy packs) and the producer's pending work to wait for (None: nothing). ``stream``
+    is the backend stream the memory will be used on (None: none).
+
+    Raises:
+        InvalidArgument: no registered device owns the memory, the dtype or layout is
+            unsupported, the producer refused, or ``writable`` and it is read-only.
+    """
+    t = type(value)
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _from_dlpack(value, role, writable, importers, stream)
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(value, cai, role, writable, importers, stream)
+    raise InvalidArgument(
+        f"{role}: expected an aioep.Tensor, a numpy array or an object with __dlpack__ or "
+        f"__cuda_array_interface__, got {t.__name__}"
+    )
+
+
+def _device_name(device_type: int) -> str:
+    try:
+        return f"kDL{DLDeviceType(device_type).name.title().replace('_', '')}"
+    except ValueError:
+        return f"DLPack device type {device_type}"
+
+
+def _from_dlpack(
+    value: Any,
+    role: str,
+    writable: bool,
+    importers: Sequence[MemoryImporter],
+    stream: StreamImpl | None,
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    name = type(value).__name__
+    try:
+        device_type, device_id = (int(x) for x in value.__dlpack_device__())
+    except Exception as exc:
+        raise InvalidArgument(f"{role}: {name}.__dlpack_device__() failed: {exc}") from exc
+    owners = [imp for imp in importers if device_type in imp.dlpack_device_types]
+    if not owners:
+        raise InvalidArgument(
+            f"{role}: {name} lives on {_device_name(device_type)} device {device_id}, which "
+            "no registered backend owns"
+        )
+    if device_type == DLDeviceType.CPU:
+        return _from_host_dlpack(value, role, writable, owners)
+    producer_stream = owners[0].dlpack_stream(device_type, device_id, stream)
+    try:
+        try:
+            capsule = value.__dlpack__(stream=producer_stream, max_version=MAX_VERSION)
+        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+            capsule = value.__dlpack__(stream=producer_stream)
+        view = read_capsule(capsule)
+    except InvalidArgument:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"{role}: {name}.__dlpack__ failed: {exc}") from exc
+    del capsule
+    try:
+        if (view.device_type, view.device_id) != (device_type, device_id):
+            raise InvalidArgument(
+                f"{role}: {name}.__dlpack__ gave a tensor on device "
+                f"({view.device_type}, {view.device_id}), but __dlpack_device__ said "
+                f"({device_type}, {device_id})"
+            )
+        if not view.c_contiguous:
+            raise InvalidArgument(
+                f"{role}: {name} of shape {view.shape} has strides {view.strides} (elements); "
+                "device memory must be C-contiguous (make a contiguous copy first)"
+            )
+        if writable and view.readonly:
+            raise InvalidArgument(f"{role}: {name} is read-only (DLPack flag); it cannot be written")
+        nbytes = view.nbytes
+        owner, info = _adopt(owners, device_type, device_id, view.data, nbytes)
+        if info is None:
+            raise InvalidArgument(
+                f"{role}: {name}'s memory ({nbytes} bytes at {view.data:#x} on "
+                f"{_device_name(device_type)} device {device_id}) is owned by no registered "
+                "device"
+            )
+        wait = owner.producer_work(info, producer_stream, stream)
+    except BaseException:
+        view.release()
+        raise
+    buffer = ImportedBuffer(
+        view.data, nbytes, info, producer=value, keep=view, release=view.release,
+        readonly=view.readonly,
+    )  # fmt: skip
+    return Tensor(buffer, view.shape, view.dtype), wait
+
+
+def _from_host_dlpack(
+    value: Any, role: str, writable: bool, owners: Sequence[MemoryImporter]
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    # numpy reads the capsule in C (DLPack 1.x, the read-only flag, the deleter) and gives
+    # a view that owns the managed tensor; host memory takes no stream (None).
+    name = type(value).__name__
+    try:
+        array: np.ndarray[Any, Any] = np.from_dlpack(value)
+    except Exception as exc:
+        raise InvalidArgument(f"{role}: {name} could not be read through DLPack: {exc}") from exc
+    if writable and not array.flags.writeable:
+        raise InvalidArgument(f"{role}: {name} is read-only (DLPack flag); it cannot be written")
+    if not array.flags.c_contiguous:
+        if writable:
+            raise InvalidArgument(
+                f"{role}: destination {name} of shape {array.shape} is not C-contiguous "
+                f"(strides {array.strides})"
+            )
+        return array, None  # a source: the copy packs it (off the loop when large)
+    ptr = int(array.__array_interface__["data"][0])
+    info = owners[0].adopt(DLDeviceType.CPU, 0, ptr, array.nbytes) or HOST_MEMORY_INFO
+    buffer = ImportedBuffer(
+        ptr, array.nbytes, info, producer=value, keep=array, readonly=not array.flags.writeable
+    )
+    tensor = Tensor.__new__(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor._nbytes = array.nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor, None
+
+
+def _adopt(
+    importers: Iterable[MemoryImporter], device_type: int, device_id: int, ptr: int, nbytes: int
+) -> tuple[MemoryImporter, Any]:
+    first: MemoryImporter | None = None
+    for imp in importers:
+        first = first or imp
+        info = imp.adopt(device_type, device_id, ptr, nbytes)
+        if info is not None:
+            return imp, info
+    return first or MemoryImporter(), None
+
+
+def _from_cai(
+    value: Any,
+    cai: Any,
+    role: str,
+    writable: bool,
+    importers: Sequence[MemoryImporter],
+    stream: StreamImpl | None,
+) -> tuple[Tensor, NotificationImpl | None]:
+    name = type(value).__name__
+    what = f"{role}: {name}.__cuda_array_interface__"
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        ptr, readonly = int(cai["data"][0] or 0), bool(cai["data"][1])
+        strides = cai.get("strides")
+        producer_stream = cai.get("stream") if int(cai.get("version", 0)) >= 3 else None
+        mask = cai.get("mask")
+    except Exception as exc:
+        raise InvalidArgument(f"{what} is malformed: {exc}") from exc
+    if dtype.hasobject or dtype.byteorder == ">" or dtype.kind not in "biufc":
+        raise InvalidArgument(f"{what}: unsupported dtype {dtype} ({cai['typestr']!r})")
+    if mask is not None:
+        raise InvalidArgument(f"{what}: masked arrays are not supported")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{what}: bad shape {shape}")
+    if strides is not None:
+        step = dtype.itemsize
+        for d, s in zip(reversed(shape), reversed(tuple(strides))):
+            if d != 1 and s != step:
+                raise InvalidArgument(
+                    f"{what}: shape {shape} with byte strides {tuple(strides)} is not "
+                    "C-contiguous; device memory must be (make a contiguous copy first)"
+                )
+            step *= d
+    if producer_stream == 0:
+        raise InvalidArgument(f"{what}: stream 0 is disallowed (ambiguous); use 1, 2 or a handle")
+    if writable and readonly:
+        raise InvalidArgument(f"{what}: the data is read-only (data[1] is True)")
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    # The interface names no device: each importer finds its own memory from the pointer.
+    owner, info = _adopt(importers, DLDeviceType.CUDA, -1, ptr, nbytes)
+    if info is None:
+        raise InvalidArgument(
+            f"{what}: {nbytes} bytes at {ptr:#x} are memory that no registered device owns"
+        )
+    wait = None
+    if producer_stream is not None:
+        wait = owner.producer_work(info, int(producer_stream), stream)
+    buffer = ImportedBuffer(ptr, nbytes, info, producer=value, readonly=readonly)
+    return Tensor(buffer, shape, dtype), wait
