@@ -584,3 +584,149 @@ async def test_session_run_and_io_binding_take_foreign_tensors(
                 await upload
         np.testing.assert_allclose(y, reference(chain(), {"x": x2})["y"], rtol=1e-5, atol=1e-6)
         del binding, outs, x_dev
+
+
+# -- (emulated) CUDA memory ------------------------------------------------------------------
+# As in test_cuda.py: the real driver where cuInit finds a GPU, else the emulated driver (a
+# test double), with the same assertions; skipped only where neither exists.
+from cuda_emulator import select_driver  # noqa: E402
+
+DRIVER = select_driver()
+needs_gpu = pytest.mark.skipif(not DRIVER.available, reason=DRIVER.reason or "")
+
+
+@pytest.fixture
+async def cuda_env() -> AsyncIterator[tuple[aioep.Environment, aioep.EpDevice]]:
+    pytest.importorskip("aioep_cuda")
+    emulator = DRIVER.emulator
+    with contextlib.ExitStack() as stack:
+        if emulator is not None:
+            emulator.take_violation()
+            stack.enter_context(emulator.devices(1))
+        env = await aioep.Environment(autoload=False).__aenter__()
+        try:
+            env.register_library("cuda", "aioep_cuda:CudaFactory")
+            yield env, env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+            gc.collect()
+        finally:
+            await env.aclose()
+        if emulator is not None:
+            violation = emulator.take_violation()
+            assert violation is None, f"the CUDA emulator saw a violation: {violation}"
+
+
+def cuda_mem(gpu: aioep.EpDevice, kind: MemoryType = MemoryType.DEFAULT) -> aioep.MemoryInfo:
+    info = gpu.memory_info(kind)
+    assert info is not None
+    return info
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_dlpack_stream_handshake_and_values(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    env, gpu = cuda_env
+    data = np.arange(1 << 12, dtype=np.float32)
+    t = env.empty(data.shape, data.dtype, cuda_mem(gpu))
+    await env.copy_tensors([data], [t])
+    prod = CapsuleProducer(t.data_ptr, data.shape, (2, 32, 1), (KDL_CUDA, 0), keep=t)
+    out = np.zeros_like(data)
+    async with env.create_sync_stream(gpu) as stream:
+        (imported,) = await env.copy_tensors([out], [prod], stream)  # into the producer
+        await env.copy_tensors([prod], [out], stream)
+        await stream
+        assert prod.streams == [stream.handle, stream.handle]  # the consumer's CUstream
+        assert imported.memory_info == cuda_mem(gpu) and imported.buffer.imported
+    np.testing.assert_array_equal(out, 0)
+    await env.copy_tensors([data], [prod])
+    await env.copy_tensors([prod], [out])
+    assert prod.streams[2:] == [None, None]  # no stream: the legacy default stream
+    np.testing.assert_array_equal(out, data)
+    del imported
+    gc.collect()
+    assert prod.deleted == 4
+    with pytest.raises(InvalidArgument, match="owned by no registered device"):
+        env.copy_tensors(
+            [CapsuleProducer(t.data_ptr, data.shape, (2, 32, 1), (KDL_CUDA, 3))], [out]
+        )
+    del t
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("consumer_stream", [False, True])
+async def test_cuda_cai_stream_is_waited_on(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice], consumer_stream: bool
+) -> None:
+    from test_cuda import _held
+
+    env, gpu = cuda_env
+    data = np.arange(1 << 14, dtype=np.uint8)
+    t = env.empty(data.shape, data.dtype, cuda_mem(gpu))
+    await env.copy_tensors([np.zeros_like(data)], [t])
+    pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned.numpy()[:] = data
+    async with env.create_sync_stream(gpu) as producer, env.create_sync_stream(gpu) as mine:
+        with _held(producer) as release:
+            upload = env.copy_tensors([pinned], [t], producer)  # held on the device
+            cai = CAIOnly(t.data_ptr, data.shape, "|u1", stream=producer.handle, keep=t)
+            out = np.zeros_like(data)
+            future = env.copy_tensors([cai], [out], mine if consumer_stream else None)
+            assert not future.done()  # ordered after the producer's stream
+            release()
+            await future
+            await upload
+        np.testing.assert_array_equal(out, data)
+    del t, pinned, upload, future, cai
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_cai_over_pinned_and_pageable_host_memory(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    env, gpu = cuda_env
+    data = np.arange(256, dtype=np.int32)
+    pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned.numpy()[:] = data
+    dev = env.empty(data.shape, data.dtype, cuda_mem(gpu))
+    cai = CAIOnly(pinned.data_ptr, data.shape, "<i4", keep=pinned)
+    (res,) = await env.copy_tensors([cai], [dev])
+    out = np.zeros_like(data)
+    await env.copy_tensors([dev], [out])
+    np.testing.assert_array_equal(out, data)
+    # Page-locked host memory is the CUDA device's pinned memory; pageable memory no one owns.
+    imported = aioep.copy_tensors([CAIOnly(pinned.data_ptr, data.shape, "<i4")], [dev])
+    await imported
+    host = np.zeros_like(data)
+    with pytest.raises(InvalidArgument, match="no registered device owns"):
+        env.copy_tensors([CAIOnly(host.ctypes.data, data.shape, "<i4", keep=host)], [dev])
+    del pinned, dev, res, imported
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    from test_cuda import _held
+
+    env, gpu = cuda_env
+    data = np.arange(4096, dtype=np.float32)
+    pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned.numpy()[:] = data
+    async with env.create_sync_stream(gpu) as producer, env.create_sync_stream(gpu) as consumer:
+        t = env.empty(data.shape, data.dtype, cuda_mem(gpu), stream=producer)
+        with _held(producer) as release:
+            upload = env.copy_tensors([pinned], [t], producer)
+            wrapper = DLPackOnly(t)  # aioep's own export, taken back through DLPack only
+            out = np.zeros_like(data)
+            future = env.copy_tensors([wrapper], [out], consumer)
+            assert wrapper.calls[0]["stream"] == consumer.handle
+            assert not future.done()
+            release()
+            await future
+            await upload
+        np.testing.assert_array_equal(out, data)
+    del t, pinned, upload, future, wrapper
