@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._errors import InvalidArgument, translate_backend_error
-from ._foreign import has_foreign, import_copy_args, importers_of
+from ._foreign import import_copy_args, importers_of
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
+from ._importer import MemoryImporter
 from ._notification import Notification
 from ._routes import RouteCache
 from ._stream import SyncStream
@@ -63,9 +64,8 @@ class CopyDispatcher:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:
                 return CopyFuture.completed(done, Notification(_Completed(None)))
-        waits: list[NotificationImpl] = []
-        if has_foreign(src) or has_foreign(dst):
-            src, dst, waits = self._import(src, dst, stream)
+        # Foreign tensors (DLPack, CUDA Array Interface) become tensors here.
+        src, dst, waits = import_copy_args(src, dst, self._importers, stream)
         # The registry changes its list in place, maybe from another thread: route over a
         # snapshot (which RouteCache.table compares with its own at no extra cost).
         transfers = tuple(self._transfers)
@@ -125,19 +125,15 @@ class CopyDispatcher:
                 return lib.name
         raise InvalidArgument(f"{stream!r} does not belong to this environment")
 
-    def _import(
-        self, src: Sequence[TensorLike], dst: Sequence[TensorLike], stream: SyncStream | None
-    ) -> tuple[list[TensorLike], list[TensorLike], list[NotificationImpl]]:
-        """Foreign arguments (DLPack, CUDA Array Interface) as tensors, and the producers'
-        work the copy waits for."""
-        impl = stream.impl if isinstance(stream, SyncStream) else None
-        importers = importers_of(lib.factory for lib in list(self._libraries.values()))
-        return import_copy_args(src, dst, importers, impl)
+    def _importers(self) -> list[MemoryImporter]:
+        """The registered libraries' memory importers (for foreign tensors)."""
+        return importers_of(lib.factory for lib in list(self._libraries.values()))
 
     def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
-        waits = [w for w in waits if not w.query()]
+        if waits:
+            waits = [w for w in waits if not w.query()]
         if waits:
             # A producer's stream still has work before the data is ready: wait for it on a
             # copy thread, never on the loop.

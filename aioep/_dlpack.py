@@ -151,7 +151,9 @@ def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype[Any]:
     (bfloat16, float8, vector lanes, opaque handles)."""
     kind = _CODES.get(code)
     if kind is None or lanes != 1 or bits % 8 or (kind == "b" and bits != 8):
-        raise BufferError(f"DLPack dtype (code={code}, bits={bits}, lanes={lanes}) has no numpy dtype")
+        raise BufferError(
+            f"DLPack dtype (code={code}, bits={bits}, lanes={lanes}) has no numpy dtype"
+        )
     try:
         return np.dtype(f"{kind}{bits // 8}" if kind != "b" else "?")
     except TypeError as exc:

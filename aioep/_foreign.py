@@ -12,8 +12,9 @@ device where the copy has a stream, else on a worker thread before the copy runs
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,13 +23,13 @@ from ._dlpack import MAX_VERSION, DLDeviceType, read_capsule
 from ._errors import InvalidArgument
 from ._importer import MemoryImporter
 from ._notification import Notification
+from ._stream import SyncStream
 from ._stream_impl import NotificationImpl, StreamImpl
 from ._tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
 
 if TYPE_CHECKING:
     from ._environment import Environment
     from ._factory import EpFactory
-    from ._stream import SyncStream
 
 __all__ = [
     "as_tensor",
@@ -40,6 +41,7 @@ __all__ = [
     "is_foreign",
 ]
 
+_DL_CPU = int(DLDeviceType.CPU)
 _cache: weakref.WeakKeyDictionary[EpFactory, MemoryImporter | None] = weakref.WeakKeyDictionary()
 
 
@@ -79,28 +81,54 @@ def has_foreign(values: object) -> bool:
 def import_copy_args(
     src: Sequence[Any],
     dst: Sequence[Any],
-    importers: Sequence[MemoryImporter],
-    stream: StreamImpl | None,
-) -> tuple[list[Any], list[Any], list[NotificationImpl]]:
-    """``src`` and ``dst`` of a ``copy_tensors`` call with foreign objects imported, and the
-    producers' work the copy must wait for."""
+    importers: Callable[[], Sequence[MemoryImporter]],
+    stream: SyncStream | None,
+) -> tuple[Sequence[Any], Sequence[Any], list[NotificationImpl]]:
+    """``src`` and ``dst`` of a ``copy_tensors`` call with foreign objects imported (the
+    lists themselves when they hold none), and the producers' work the copy must wait for.
+    ``importers()`` gives the registered importers (only called for memory other than host
+    RAM). Anything else (not a list or tuple, not a tensor) is left for the copy's own
+    validation to name."""
     waits: list[NotificationImpl] = []
-    out: list[list[Any]] = []
-    for kind, values in (("source", src), ("destination", dst)):
-        converted = list(values)
-        for i, v in enumerate(converted):
-            if is_foreign(v):
-                converted[i], wait = as_tensor(
-                    v,
-                    role=f"copy_tensors {kind} {i}",
-                    writable=kind == "destination",
-                    importers=importers,
-                    stream=stream,
-                )
-                if wait is not None:
-                    waits.append(wait)
-        out.append(converted)
-    return out[0], out[1], waits
+    lists: list[Sequence[Any]] = [src, dst]
+    for k, values in enumerate(lists):
+        if type(values) is not list and type(values) is not tuple:
+            continue
+        out: list[Any] | None = None
+        for i, v in enumerate(values):
+            t = type(v)
+            if t is Tensor or t is np.ndarray:
+                continue
+            if hasattr(t, "__dlpack_device__") and hasattr(t, "__dlpack__"):
+                # Inline the common case, a host array handed over by DLPack: this is the
+                # per-call overhead of every such copy.
+                try:
+                    device = v.__dlpack_device__()
+                    host = int(device[0]) == _DL_CPU
+                except Exception:
+                    host = False  # as_tensor reports it
+                if host:
+                    if out is None:
+                        out = list(values)
+                    out[i] = _from_host_dlpack(v, _ROLES[k], i, k == 1)
+                    continue
+            if not is_foreign(v):
+                continue  # not ours to judge: the copy's validation names what is wrong
+            if out is None:
+                out = list(values)
+            impl = None if stream is None or not isinstance(stream, SyncStream) else stream.impl
+            out[i], wait = as_tensor(
+                v, role=f"copy_tensors {_ROLES[k]} {i}", writable=k == 1, importers=importers,
+                stream=impl,
+            )  # fmt: skip
+            if wait is not None:
+                waits.append(wait)
+        if out is not None:
+            lists[k] = out
+    return lists[0], lists[1], waits
+
+
+_ROLES = ("source", "destination")
 
 
 def import_value(
@@ -108,27 +136,29 @@ def import_value(
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
     """:func:`as_tensor` with ``env``'s importers and no stream (a value bound for later
     use: IOBinding)."""
-    importers = importers_of(lib.factory for lib in list(env._libraries.values()))
-    return as_tensor(value, role=role, writable=writable, importers=importers, stream=None)
+    return as_tensor(
+        value, role=role, writable=writable, importers=lambda: _env_importers(env), stream=None
+    )
 
 
-async def import_feeds(
-    env: Environment, inputs: Any, stream: SyncStream | None
-) -> Any:
+def _env_importers(env: Environment) -> list[MemoryImporter]:
+    return importers_of(lib.factory for lib in list(env._libraries.values()))
+
+
+async def import_feeds(env: Environment, inputs: Any, stream: SyncStream | None) -> Any:
     """A session run's ``inputs`` with foreign values imported (the mapping itself when it
     holds none). The producers' pending work is waited for: on ``stream``, on the device,
     or awaited here without blocking the loop."""
     if not isinstance(inputs, Mapping) or not any(is_foreign(v) for v in inputs.values()):
         return inputs
     impl = None if stream is None else stream.impl
-    importers = importers_of(lib.factory for lib in list(env._libraries.values()))
     out = dict(inputs)
     waits: list[NotificationImpl] = []
     for name, value in inputs.items():
         if is_foreign(value):
             out[name], wait = as_tensor(
-                value, role=f"run: input {name!r}", writable=False, importers=importers,
-                stream=impl,
+                value, role=f"run: input {name!r}", writable=False,
+                importers=lambda: _env_importers(env), stream=impl,
             )  # fmt: skip
             if wait is not None:
                 waits.append(wait)
@@ -145,14 +175,16 @@ def as_tensor(
     *,
     role: str,
     writable: bool,
-    importers: Sequence[MemoryImporter],
+    importers: Callable[[], Sequence[MemoryImporter]],
     stream: StreamImpl | None = None,
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
     """Wrap a foreign object zero-copy for the argument named ``role``.
 
     Returns the tensor (or, for strided host memory read as a source, a numpy view the
     copy packs) and the producer's pending work to wait for (None: nothing). ``stream``
-    is the backend stream the memory will be used on (None: none).
+    is the backend stream the memory will be used on (None: none). ``importers()`` gives
+    the registered importers; host RAM (``kDLCPU``) is the built-in host device's and
+    needs none.
 
     Raises:
         InvalidArgument: no registered device owns the memory, the dtype or layout is
@@ -181,22 +213,26 @@ def _from_dlpack(
     value: Any,
     role: str,
     writable: bool,
-    importers: Sequence[MemoryImporter],
+    importers: Callable[[], Sequence[MemoryImporter]],
     stream: StreamImpl | None,
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
-    name = type(value).__name__
     try:
-        device_type, device_id = (int(x) for x in value.__dlpack_device__())
+        device = value.__dlpack_device__()
+        device_type, device_id = int(device[0]), int(device[1])
     except Exception as exc:
-        raise InvalidArgument(f"{role}: {name}.__dlpack_device__() failed: {exc}") from exc
-    owners = [imp for imp in importers if device_type in imp.dlpack_device_types]
+        raise InvalidArgument(
+            f"{role}: {type(value).__name__}.__dlpack_device__() failed: {exc}"
+        ) from exc
+    if device_type == _DL_CPU:
+        # Host RAM: the built-in host device owns it (its importer says HOST_MEMORY_INFO).
+        return _from_host_dlpack(value, role, None, writable), None
+    name = type(value).__name__
+    owners = [imp for imp in importers() if device_type in imp.dlpack_device_types]
     if not owners:
         raise InvalidArgument(
             f"{role}: {name} lives on {_device_name(device_type)} device {device_id}, which "
             "no registered backend owns"
         )
-    if device_type == DLDeviceType.CPU:
-        return _from_host_dlpack(value, role, writable, owners)
     producer_stream = owners[0].dlpack_stream(device_type, device_id, stream)
     try:
         try:
@@ -222,7 +258,9 @@ def _from_dlpack(
                 "device memory must be C-contiguous (make a contiguous copy first)"
             )
         if writable and view.readonly:
-            raise InvalidArgument(f"{role}: {name} is read-only (DLPack flag); it cannot be written")
+            raise InvalidArgument(
+                f"{role}: {name} is read-only (DLPack flag); it cannot be written"
+            )
         nbytes = view.nbytes
         owner, info = _adopt(owners, device_type, device_id, view.data, nbytes)
         if info is None:
@@ -243,37 +281,60 @@ def _from_dlpack(
 
 
 def _from_host_dlpack(
-    value: Any, role: str, writable: bool, owners: Sequence[MemoryImporter]
-) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    value: Any, kind: str, index: int | None, writable: bool
+) -> Tensor | np.ndarray[Any, Any]:
+    """A host tensor over ``value``'s ``kDLCPU`` memory (a strided source: a numpy view the
+    copy packs). ``kind`` and ``index`` name the argument (``index`` None: ``kind`` is the
+    whole name)."""
     # numpy reads the capsule in C (DLPack 1.x, the read-only flag, the deleter) and gives
     # a view that owns the managed tensor; host memory takes no stream (None).
-    name = type(value).__name__
     try:
         array: np.ndarray[Any, Any] = np.from_dlpack(value)
     except Exception as exc:
-        raise InvalidArgument(f"{role}: {name} could not be read through DLPack: {exc}") from exc
-    if writable and not array.flags.writeable:
-        raise InvalidArgument(f"{role}: {name} is read-only (DLPack flag); it cannot be written")
-    if not array.flags.c_contiguous:
+        raise InvalidArgument(
+            f"{_role(kind, index)}: {type(value).__name__} could not be read through DLPack: {exc}"
+        ) from exc
+    flags = array.flags
+    if writable and not flags.writeable:
+        raise InvalidArgument(
+            f"{_role(kind, index)}: {type(value).__name__} is read-only (DLPack flag); it "
+            "cannot be written"
+        )
+    if not flags.c_contiguous:
         if writable:
             raise InvalidArgument(
-                f"{role}: destination {name} of shape {array.shape} is not C-contiguous "
-                f"(strides {array.strides})"
+                f"{_role(kind, index)}: destination {type(value).__name__} of shape "
+                f"{array.shape} is not C-contiguous (strides {array.strides})"
             )
-        return array, None  # a source: the copy packs it (off the loop when large)
-    ptr = int(array.__array_interface__["data"][0])
-    info = owners[0].adopt(DLDeviceType.CPU, 0, ptr, array.nbytes) or HOST_MEMORY_INFO
-    buffer = ImportedBuffer(
-        ptr, array.nbytes, info, producer=value, keep=array, readonly=not array.flags.writeable
-    )
+        return array  # a source: the copy packs it (off the loop when large)
+    # The hot path of a host tensor handed over by DLPack: build the buffer and the tensor
+    # without their constructors' checks, which the array already satisfies.
+    nbytes = array.nbytes
+    buffer = ImportedBuffer.__new__(ImportedBuffer)
+    buffer.ptr = array.__array_interface__["data"][0]
+    buffer.nbytes = nbytes
+    buffer.memory_info = HOST_MEMORY_INFO
+    buffer.allocator = None
+    buffer.readonly = not flags.writeable
+    buffer.stream = None
+    buffer._owner = (value, array)
+    buffer._pins = 0
+    buffer._released = False
+    buffer._pin_lock = threading.Lock()
+    buffer._finalizer = None
+    buffer.producer = value
     tensor = Tensor.__new__(Tensor)
     tensor.shape = array.shape
     tensor.dtype = array.dtype
     tensor._size = array.size
-    tensor._nbytes = array.nbytes
+    tensor._nbytes = nbytes
     tensor.buffer = buffer
     tensor.byte_offset = 0
-    return tensor, None
+    return tensor
+
+
+def _role(kind: str, index: int | None) -> str:
+    return kind if index is None else f"copy_tensors {kind} {index}"
 
 
 def _adopt(
@@ -293,7 +354,7 @@ def _from_cai(
     cai: Any,
     role: str,
     writable: bool,
-    importers: Sequence[MemoryImporter],
+    importers: Callable[[], Sequence[MemoryImporter]],
     stream: StreamImpl | None,
 ) -> tuple[Tensor, NotificationImpl | None]:
     name = type(value).__name__
@@ -330,7 +391,7 @@ def _from_cai(
     for d in shape:
         nbytes *= d
     # The interface names no device: each importer finds its own memory from the pointer.
-    owner, info = _adopt(importers, DLDeviceType.CUDA, -1, ptr, nbytes)
+    owner, info = _adopt(importers(), DLDeviceType.CUDA, -1, ptr, nbytes)
     if info is None:
         raise InvalidArgument(
             f"{what}: {nbytes} bytes at {ptr:#x} are memory that no registered device owns"

@@ -19,9 +19,9 @@ from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
 
 if TYPE_CHECKING:
     from ._environment import Environment
+    from ._graph import ValueInfo
     from ._stream import SyncStream
     from ._stream_impl import NotificationImpl
-    from ._graph import ValueInfo
 
 __all__ = ["IOBinding", "place_bound_outputs"]
 

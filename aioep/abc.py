@@ -33,12 +33,12 @@ import typing
 
 from ._allocator import Allocator as Allocator
 from ._chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
+from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
 from ._dlpack import DLDeviceType as DLDeviceType
 from ._dlpack import DLManagedTensor as DLManagedTensor
 from ._dlpack import dlpack_capsule as dlpack_capsule
 from ._dlpack import dlpack_dtype as dlpack_dtype
 from ._dlpack import live_dlpack_exports as live_dlpack_exports
-from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
 from ._ep import CompiledNode as CompiledNode
 from ._ep import Ep as Ep
 from ._ep import FusedGroup as FusedGroup

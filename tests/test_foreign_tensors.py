@@ -15,11 +15,10 @@ import ctypes
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.lowlevel
 import numpy as np
 import pytest
@@ -251,7 +250,8 @@ async def test_dlpack_only_host_arrays_both_ways() -> None:
         (out,) = await aioep.copy_tensors([wsrc], [wdst])
         np.testing.assert_array_equal(dst, src)
         assert out.data_ptr == dst.ctypes.data  # zero-copy: the producer's own memory
-        assert out.buffer.imported and out.buffer.producer is wdst
+        assert out.buffer.imported
+        assert out.buffer.producer is wdst
         # Host memory takes no stream: the producer is asked with stream None.
         assert [c.get("stream") for c in wsrc.calls + wdst.calls] == [None, None]
 
@@ -301,7 +301,7 @@ async def test_strided_host_source_is_copied_right_and_destination_refused(
 async def test_unowned_device_and_bad_producers_are_invalid_argument(
     sim_env: tuple[aioep.Environment, aioep.EpDevice],
 ) -> None:
-    env, sim = sim_env
+    env, _sim = sim_env
     dst = np.zeros(4, np.float32)
     rocm = CapsuleProducer(0x1000, (4,), (2, 32, 1), (KDL_ROCM, 0))
     with pytest.raises(
@@ -310,7 +310,7 @@ async def test_unowned_device_and_bad_producers_are_invalid_argument(
     ):
         env.copy_tensors([rocm], [dst])
     # A sim device id that does not exist, and an address outside any sim allocation.
-    with pytest.raises(InvalidArgument, match="source 0: .* owned by no registered device"):
+    with pytest.raises(InvalidArgument, match=r"source 0: .* owned by no registered device"):
         env.copy_tensors([CapsuleProducer(0x1000, (4,), (2, 32, 1), (KDL_EXT_DEV, 7))], [dst])
     bogus = CapsuleProducer(0x1000, (4,), (2, 32, 1), (KDL_EXT_DEV, 0))
     with pytest.raises(InvalidArgument, match="owned by no registered device"):
@@ -501,13 +501,15 @@ async def test_dropped_producer_lives_until_the_copy_is_done(
             future = env.copy_tensors([producer], [t], stream)
             del producer, src
             gc.collect()
-            assert alive() is not None and src_alive() is not None  # the copy holds them
+            assert alive() is not None
+            assert src_alive() is not None
             gate.set()
             await future
         await stream
         del future
         gc.collect()
-        assert alive() is None and src_alive() is None  # released once done
+        assert alive() is None
+        assert src_alive() is None
     np.testing.assert_array_equal(await read_back(env, t), data)
 
 
@@ -528,7 +530,8 @@ async def test_cancelled_await_keeps_the_producer_until_the_device_is_done(
             deleted_before = prod.deleted
             del prod
             gc.collect()
-            assert weak() is not None and deleted_before == 0
+            assert weak() is not None
+            assert deleted_before == 0
             gate.set()
         await stream
         gc.collect()
@@ -637,7 +640,8 @@ async def test_cuda_dlpack_stream_handshake_and_values(
         await env.copy_tensors([prod], [out], stream)
         await stream
         assert prod.streams == [stream.handle, stream.handle]  # the consumer's CUstream
-        assert imported.memory_info == cuda_mem(gpu) and imported.buffer.imported
+        assert imported.memory_info == cuda_mem(gpu)
+        assert imported.buffer.imported
     np.testing.assert_array_equal(out, 0)
     await env.copy_tensors([data], [prod])
     await env.copy_tensors([prod], [out])

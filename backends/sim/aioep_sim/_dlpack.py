@@ -21,6 +21,7 @@ from ._stream import SimStream, stream_by_handle
 
 __all__ = ["SimMemoryImporter", "export_dlpack"]
 
+
 class SimMemoryImporter(MemoryImporter):
     """Adopts sim device memory: ``kDLExtDev`` DLPack tensors and CUDA Array Interfaces
     whose pointer is inside a live sim allocation."""
