@@ -114,7 +114,9 @@ class CopyDispatcher:
                     raise
                 raise error from exc
         stream._enqueued()
-        future = CopyFuture(plan.src + plan.dst, plan.dst, stream.record(), stream)
+        done = stream.record()
+        _note_use(plan, done)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, done, stream)
         if not future.done():
             self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
@@ -139,7 +141,9 @@ class CopyDispatcher:
             # copy thread, never on the loop.
             signal = HostNotification()
             what = " / ".join(_describe(t) for t, _ in plan.groups)
-            future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)
+            done = Notification(signal)
+            _note_use(plan, done)
+            future = CopyFuture(plan.src + plan.dst, plan.dst, done, what)
             self._get_executor().submit(_run_plan_after, waits, plan, signal)
             self._track(future, frozenset(plan.libraries))
             return future
@@ -151,7 +155,9 @@ class CopyDispatcher:
             return CopyFuture.completed(plan.dst, Notification(_Completed(error)), what)
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)
+        done = Notification(signal)
+        _note_use(plan, done)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, done, what)
         self._get_executor().submit(_run_plan, plan, signal)
         if not future.done():
             self._track(future, frozenset(plan.libraries))
@@ -278,6 +284,15 @@ def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
     plan.groups.clear()
     plan.packs.clear()
     signal.set(None if failure is None else failure[1])
+
+
+def _note_use(plan: CopyPlan, done: Notification) -> None:
+    """Mark the batch's buffers as used until ``done``: a DLPack export of one of them
+    orders its consumer after the copy (``Buffer.pending_work``)."""
+    for t in plan.src:
+        t.buffer._last_use = done
+    for t in plan.dst:
+        t.buffer._last_use = done
 
 
 def _run_plan_after(

@@ -322,6 +322,7 @@ def _from_host_dlpack(
     buffer._released = False
     buffer._pin_lock = threading.Lock()
     buffer._finalizer = None
+    buffer._last_use = None
     buffer.producer = value
     tensor = Tensor.__new__(Tensor)
     tensor.shape = array.shape

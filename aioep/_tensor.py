@@ -44,6 +44,7 @@ class Buffer:
     __slots__ = (
         "__weakref__",
         "_finalizer",
+        "_last_use",
         "_owner",
         "_pin_lock",
         "_pins",
@@ -75,6 +76,7 @@ class Buffer:
         self.readonly = readonly
         self.stream = stream
         self._owner = owner
+        self._last_use: Any = None  # the Notification of the last copy that used it
         self._pins = 0
         self._released = False
         self._pin_lock = threading.Lock()
@@ -106,6 +108,15 @@ class Buffer:
             if self._finalizer is not None:
                 self._finalizer()
         self._owner = None
+
+    @property
+    def pending_work(self) -> Any:
+        """The :class:`~aioep.Notification` of the last copy that used this buffer while it
+        is not complete, else None: what a DLPack consumer's stream must wait for."""
+        work = getattr(self, "_last_use", None)  # unset on buffers built without __init__
+        if work is None or work.done():
+            return None
+        return work
 
     def _pin(self) -> None:
         with self._pin_lock:
@@ -338,6 +349,10 @@ class Tensor:
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
         if self.is_host_accessible:
+            work = self.buffer.pending_work
+            if work is not None and stream != -1:
+                # Host memory has no stream to order: the data must be ready now.
+                work.wait()
             arr = self.numpy()
             if max_version is None:
                 return arr.__dlpack__(stream=stream)

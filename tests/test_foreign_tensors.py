@@ -420,15 +420,19 @@ async def test_sim_dlpack_stream_handshake(
     np.testing.assert_array_equal(out, data)
 
 
+@pytest.mark.parametrize("allocated_on_stream", [True, False])
 async def test_sim_export_orders_the_consumer_stream_after_the_tensor_stream(
-    sim_env: tuple[aioep.Environment, aioep.EpDevice],
+    sim_env: tuple[aioep.Environment, aioep.EpDevice], allocated_on_stream: bool
 ) -> None:
     """Tensor.__dlpack__(stream=consumer) makes the consumer wait for the work on the tensor's
-    stream (here: aioep itself is the consumer, through a DLPack-only wrapper)."""
+    stream and the copies pending on it (here: aioep itself is the consumer, through a
+    DLPack-only wrapper)."""
     env, sim = sim_env
     data = np.arange(1024, dtype=np.float32)
     async with env.create_sync_stream(sim) as producer, env.create_sync_stream(sim) as consumer:
-        t = env.empty(data.shape, data.dtype, sim_mem(sim), stream=producer)
+        t = env.empty(
+            data.shape, data.dtype, sim_mem(sim), stream=producer if allocated_on_stream else None
+        )
         with gated(producer) as gate:
             upload = env.copy_tensors([data], [t], producer)  # held behind the gate
             wrapper = DLPackOnly(t)
@@ -618,6 +622,15 @@ async def cuda_env() -> AsyncIterator[tuple[aioep.Environment, aioep.EpDevice]]:
             assert violation is None, f"the CUDA emulator saw a violation: {violation}"
 
 
+async def not_before_release(future: aioep.CopyFuture) -> None:
+    """Assert that ``future`` does not complete while the producer's stream is held: a copy
+    ordered after it cannot complete at all, one that is not completes within moments (the
+    bound only limits how long a broken ordering takes to show)."""
+    with anyio.move_on_after(0.5):
+        await future
+    assert not future.done(), "the copy did not wait for the producer's stream"
+
+
 def cuda_mem(gpu: aioep.EpDevice, kind: MemoryType = MemoryType.DEFAULT) -> aioep.MemoryInfo:
     info = gpu.memory_info(kind)
     assert info is not None
@@ -677,7 +690,7 @@ async def test_cuda_cai_stream_is_waited_on(
             cai = CAIOnly(t.data_ptr, data.shape, "|u1", stream=producer.handle, keep=t)
             out = np.zeros_like(data)
             future = env.copy_tensors([cai], [out], mine if consumer_stream else None)
-            assert not future.done()  # ordered after the producer's stream
+            await not_before_release(future)  # ordered after the producer's stream
             release()
             await future
             await upload
@@ -711,8 +724,9 @@ async def test_cuda_cai_over_pinned_and_pageable_host_memory(
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("allocated_on_stream", [True, False])
 async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
-    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice], allocated_on_stream: bool
 ) -> None:
     from test_cuda import _held
 
@@ -721,14 +735,16 @@ async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
     pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
     pinned.numpy()[:] = data
     async with env.create_sync_stream(gpu) as producer, env.create_sync_stream(gpu) as consumer:
-        t = env.empty(data.shape, data.dtype, cuda_mem(gpu), stream=producer)
+        t = env.empty(
+            data.shape, data.dtype, cuda_mem(gpu), stream=producer if allocated_on_stream else None
+        )
         with _held(producer) as release:
             upload = env.copy_tensors([pinned], [t], producer)
             wrapper = DLPackOnly(t)  # aioep's own export, taken back through DLPack only
             out = np.zeros_like(data)
             future = env.copy_tensors([wrapper], [out], consumer)
             assert wrapper.calls[0]["stream"] == consumer.handle
-            assert not future.done()
+            await not_before_release(future)
             release()
             await future
             await upload

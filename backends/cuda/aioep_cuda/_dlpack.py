@@ -36,7 +36,7 @@ from aioep.abc import (
 
 from ._device import CudaDevice
 from ._driver import call_nogil, check, ctx_current, driver
-from ._stream import CudaStream
+from ._stream import CudaNotification, CudaStream
 
 __all__ = [
     "CudaMemoryImporter",
@@ -68,22 +68,35 @@ def export_dlpack(tensor: Tensor, stream: Any = None) -> Any:
 
 
 def _order_consumer(tensor: Tensor, stream: Any) -> None:
-    producer = getattr(tensor.buffer.stream, "impl", None)
-    if producer is None or stream == -1 or getattr(producer, "closed", True):
-        return
-    if not isinstance(producer, CudaStream):
+    """Make the consumer's stream wait (on the device) for aioep's work on the tensor: the
+    stream its buffer was allocated on and the last copy that used it."""
+    if stream == -1:
         return
     consumer = _LEGACY_STREAM if stream is None else int(stream)  # 2: per-thread default
-    if consumer == producer.handle:
-        return
     drv = driver()
-    notification = producer.create_notification()
-    notification.activate()
-    with ctx_current(producer.device.ctx):
-        check(
-            drv.cuStreamWaitEvent(drv.CUstream(consumer), notification.event, 0),
-            "cuStreamWaitEvent (DLPack consumer stream)",
-        )
+    producer = getattr(tensor.buffer.stream, "impl", None)
+    if isinstance(producer, CudaStream) and not producer.closed and consumer != producer.handle:
+        notification = producer.create_notification()
+        notification.activate()
+        with ctx_current(producer.device.ctx):
+            check(
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), notification.event, 0),
+                "cuStreamWaitEvent (DLPack consumer stream)",
+            )
+    work = tensor.buffer.pending_work
+    if work is None:
+        return
+    impl = work.impl
+    if isinstance(impl, CudaNotification):
+        if getattr(work.stream, "handle", None) == consumer:
+            return  # the copy is on the consumer's own stream: already in order
+        with ctx_current(impl.stream.device.ctx):
+            check(
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), impl.event, 0),
+                "cuStreamWaitEvent (DLPack consumer stream, pending copy)",
+            )
+    else:
+        work.wait()  # a copy that no CUDA event marks (run on a worker thread): finish it
 
 
 def live_exports() -> int:

@@ -70,22 +70,29 @@ class SimMemoryImporter(MemoryImporter):
 
 def export_dlpack(tensor: Tensor, stream: Any = None) -> Any:
     """A ``kDLExtDev`` capsule of a sim device tensor, the consumer's ``stream`` (a sim
-    stream handle) ordered after the tensor's stream; None: wait for it here; -1: no wait."""
+    stream handle) ordered after aioep's work on the tensor (the stream its buffer was
+    allocated on, the last copy that used it); None: wait for that work here; -1: no wait."""
     if tensor.buffer.freed:
         raise BufferError(f"tensor buffer {tensor.buffer!r} was freed")
-    producer = getattr(tensor.buffer.stream, "impl", None)
-    if isinstance(producer, SimStream) and not producer.closed and stream != -1:
-        # The buffer was allocated on an open sim stream: its work comes first.
+    if stream != -1:
         consumer = None if stream is None else stream_by_handle(int(stream))
         if stream is not None and consumer is None:
             raise BufferError(f"sim: stream {stream!r} is not an open sim stream")
-        if consumer is not producer:
+        marks: list[NotificationImpl] = []
+        producer = getattr(tensor.buffer.stream, "impl", None)
+        if isinstance(producer, SimStream) and not producer.closed and producer is not consumer:
+            # The buffer was allocated on an open sim stream: its work comes first.
             mark = producer.create_notification()
             mark.activate()
+            marks.append(mark)
+        work = tensor.buffer.pending_work
+        if work is not None and (work.stream is None or work.stream.impl is not consumer):
+            marks.append(work.impl)  # the last copy that used the buffer, still running
+        for mark in marks:
             if consumer is None:
                 mark.wait_on_host(None)  # no consumer stream: the data must be ready now
             else:
-                consumer.enqueue_wait(mark)
+                mark.wait_on_device(consumer)
     return dlpack_capsule(
         tensor.data_ptr,
         tensor.shape,
