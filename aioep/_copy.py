@@ -114,9 +114,9 @@ class CopyDispatcher:
                     raise
                 raise error from exc
         stream._enqueued()
-        done = stream.record()
-        _note_use(plan, done)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, done, stream)
+        mark = stream.record()
+        _note_use(plan, mark)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream)
         if not future.done():
             self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
@@ -141,9 +141,9 @@ class CopyDispatcher:
             # copy thread, never on the loop.
             signal = HostNotification()
             what = " / ".join(_describe(t) for t, _ in plan.groups)
-            done = Notification(signal)
-            _note_use(plan, done)
-            future = CopyFuture(plan.src + plan.dst, plan.dst, done, what)
+            mark = Notification(signal)
+            _note_use(plan, mark)
+            future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
             self._get_executor().submit(_run_plan_after, waits, plan, signal)
             self._track(future, frozenset(plan.libraries))
             return future
@@ -155,9 +155,9 @@ class CopyDispatcher:
             return CopyFuture.completed(plan.dst, Notification(_Completed(error)), what)
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        done = Notification(signal)
-        _note_use(plan, done)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, done, what)
+        mark = Notification(signal)
+        _note_use(plan, mark)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
         self._get_executor().submit(_run_plan, plan, signal)
         if not future.done():
             self._track(future, frozenset(plan.libraries))

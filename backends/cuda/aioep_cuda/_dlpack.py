@@ -73,9 +73,9 @@ def _order_consumer(tensor: Tensor, stream: Any) -> None:
     if stream == -1:
         return
     consumer = _LEGACY_STREAM if stream is None else int(stream)  # 2: per-thread default
-    drv = driver()
     producer = getattr(tensor.buffer.stream, "impl", None)
     if isinstance(producer, CudaStream) and not producer.closed and consumer != producer.handle:
+        drv = driver()
         notification = producer.create_notification()
         notification.activate()
         with ctx_current(producer.device.ctx):
@@ -90,6 +90,7 @@ def _order_consumer(tensor: Tensor, stream: Any) -> None:
     if isinstance(impl, CudaNotification):
         if getattr(work.stream, "handle", None) == consumer:
             return  # the copy is on the consumer's own stream: already in order
+        drv = driver()
         with ctx_current(impl.stream.device.ctx):
             check(
                 drv.cuStreamWaitEvent(drv.CUstream(consumer), impl.event, 0),

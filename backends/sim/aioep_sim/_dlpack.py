@@ -88,11 +88,11 @@ def export_dlpack(tensor: Tensor, stream: Any = None) -> Any:
         work = tensor.buffer.pending_work
         if work is not None and (work.stream is None or work.stream.impl is not consumer):
             marks.append(work.impl)  # the last copy that used the buffer, still running
-        for mark in marks:
+        for point in marks:
             if consumer is None:
-                mark.wait_on_host(None)  # no consumer stream: the data must be ready now
+                point.wait_on_host(None)  # no consumer stream: the data must be ready now
             else:
-                mark.wait_on_device(consumer)
+                point.wait_on_device(consumer)
     return dlpack_capsule(
         tensor.data_ptr,
         tensor.shape,
