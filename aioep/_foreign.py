@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "as_tensor",
-    "has_foreign",
     "import_copy_args",
     "import_feeds",
     "import_value",
@@ -65,17 +64,6 @@ def is_foreign(value: object) -> bool:
     if t is Tensor or t is np.ndarray or isinstance(value, (Tensor, np.ndarray)):
         return False
     return hasattr(t, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
-
-
-def has_foreign(values: object) -> bool:
-    """True when the list or tuple ``values`` holds a foreign object."""
-    if type(values) not in (list, tuple):
-        return False
-    for v in values:  # type: ignore[attr-defined]
-        t = type(v)
-        if t is not Tensor and t is not np.ndarray and is_foreign(v):
-            return True
-    return False
 
 
 def import_copy_args(

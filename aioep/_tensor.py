@@ -369,9 +369,10 @@ class Tensor:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3 for tensors in NVIDIA device memory (CuPy, PyTorch, Numba).
 
-        ``stream`` is the handle of the open stream the buffer was allocated on
-        (consumers order their work after it), else None. Other tensors have no
-        such attribute (``hasattr`` is False).
+        ``stream`` is the handle of the open stream of the last copy that used the buffer
+        while it runs, else of the open stream the buffer was allocated on (consumers
+        order their work after it), else None. Other tensors have no such attribute
+        (``hasattr`` is False).
         """
         dev = self.device
         if not (
@@ -381,6 +382,9 @@ class Tensor:
         ):
             raise AttributeError(f"{self!r} is not in CUDA device memory")
         stream = self.buffer.stream
+        work = self.buffer.pending_work
+        if work is not None and work.stream is not None and not work.stream.closed:
+            stream = work.stream
         handle = None if stream is None or getattr(stream, "closed", True) else stream.handle
         return {
             "version": 3,

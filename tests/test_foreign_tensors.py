@@ -750,3 +750,34 @@ async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
             await upload
         np.testing.assert_array_equal(out, data)
     del t, pinned, upload, future, wrapper
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_array_interface_export_names_the_pending_copy_stream(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    """A tensor's ``__cuda_array_interface__`` names the stream of the copy still using it,
+    and aioep, as the consumer of that interface, waits for it."""
+    from test_cuda import _held
+
+    env, gpu = cuda_env
+    data = np.arange(2048, dtype=np.int64)
+    pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned.numpy()[:] = data
+    t = env.empty(data.shape, data.dtype, cuda_mem(gpu))
+    assert t.__cuda_array_interface__["stream"] is None
+    async with env.create_sync_stream(gpu) as producer:
+        with _held(producer) as release:
+            upload = env.copy_tensors([pinned], [t], producer)
+            cai = t.__cuda_array_interface__
+            assert cai["stream"] == producer.handle
+            view = CAIOnly(cai["data"][0], cai["shape"], cai["typestr"], stream=cai["stream"])
+            out = np.zeros_like(data)
+            future = env.copy_tensors([view], [out])
+            await not_before_release(future)
+            release()
+            await future
+            await upload
+        np.testing.assert_array_equal(out, data)
+    del t, pinned, upload, future, view
