@@ -363,6 +363,28 @@ async def test_unsupported_dtype_and_layout_name_the_argument(
     np.testing.assert_array_equal(res[0], np.arange(8))
 
 
+async def test_imported_host_memory_is_usable_by_any_environment() -> None:
+    """Imported memory belongs to its producer, not to the environment that wrapped it."""
+    src = np.arange(16, dtype=np.float32)
+    async with aioep.Environment(autoload=False) as first:
+        (imported,) = await first.copy_tensors([np.zeros(16, np.float32)], [DLPackOnly(src)])
+    assert imported.buffer.imported
+    np.testing.assert_array_equal(src, 0)
+    async with aioep.Environment(autoload=False) as second:
+        await second.copy_tensors([np.full(16, 3, np.float32)], [imported])
+        out = np.zeros(16, np.float32)
+        await second.copy_tensors([imported], [out])
+    np.testing.assert_array_equal(src, 3)
+    np.testing.assert_array_equal(out, 3)
+    imported.buffer._pin()  # as a copy in flight does
+    with pytest.raises(aioep.InUseError):
+        imported.buffer.free()
+    imported.buffer._unpin()
+    imported.buffer.free()  # hands the memory back to its producer; src itself stays valid
+    assert imported.buffer.freed
+    np.testing.assert_array_equal(src, 3)
+
+
 # -- sim memory: DLPack ----------------------------------------------------------------------
 @pytest.mark.parametrize("versioned", [True, False])
 async def test_sim_dlpack_in_and_out(
