@@ -67,8 +67,9 @@ class IOBinding:
 
     # -- inputs ----------------------------------------------------------------------------
     def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:
-        """Bind ``value`` (a tensor on any device the session can read, or a numpy array)
-        to model input ``name``; it replaces what was bound there."""
+        """Bind ``value`` (a tensor on any device the session can read, a numpy array, or
+        another library's tensor: DLPack, CUDA Array Interface) to model input ``name``;
+        it replaces what was bound there."""
         spec = self._input_specs.get(name)
         if spec is None:
             raise InvalidArgument(

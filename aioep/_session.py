@@ -245,7 +245,9 @@ class Session(AsyncResource):
     ) -> dict[str, Any]:
         """Run the model and return output name -> tensor.
 
-        ``inputs`` maps every model input to a host array or a tensor on any device.
+        ``inputs`` maps every model input to a host array or a tensor on any device (or
+        another library's tensor, taken zero-copy through DLPack or the CUDA Array
+        Interface).
         Outputs stay where the producing EP put them; ``output_location="host"``
         copies them to host memory.
 
