@@ -803,3 +803,68 @@ async def test_cuda_array_interface_export_names_the_pending_copy_stream(
             await upload
         np.testing.assert_array_equal(out, data)
     del t, pinned, upload, future, view
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_torch_and_cupy_tensors_in_and_out(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    """On a real GPU: PyTorch and CuPy tensors go into copy_tensors zero-copy, both ways,
+    on a stream and without, by DLPack and by the CUDA Array Interface."""
+    if DRIVER.kind != "real":
+        pytest.skip(
+            "CuPy and PyTorch need the real driver (their runtime does not run on the emulator)"
+        )
+    env, gpu = cuda_env
+    data = np.arange(1 << 16, dtype=np.float32)
+    checked = 0
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        x = torch.from_numpy(data).cuda()
+        out = np.zeros_like(data)
+        await env.copy_tensors([x], [out])
+        np.testing.assert_array_equal(out, data)
+        y = torch.zeros(data.shape, dtype=torch.float32, device="cuda")
+        async with env.create_sync_stream(gpu) as stream:
+            (imported,) = await env.copy_tensors([data * 2], [y], stream)
+            assert imported.data_ptr == y.data_ptr()  # zero-copy
+            await stream
+        np.testing.assert_array_equal(y.cpu().numpy(), data * 2)
+        x.mul_(3)  # on torch's stream: the copy below is ordered after it
+        await env.copy_tensors([x], [out])
+        np.testing.assert_array_equal(out, data * 3)
+        del imported
+        checked += 1
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        c = cupy.asarray(data)
+        out = np.zeros_like(data)
+        await env.copy_tensors([c], [out])
+        np.testing.assert_array_equal(out, data)
+        cai = CAIOnly(**_cai_args(c.__cuda_array_interface__), keep=c)
+        d = cupy.zeros_like(c)
+        async with env.create_sync_stream(gpu) as stream:
+            await env.copy_tensors([cai], [d], stream)
+            await stream
+        np.testing.assert_array_equal(cupy.asnumpy(d), data)
+        checked += 1
+    if not checked:
+        pytest.skip("neither CuPy nor PyTorch (with CUDA) is installed")
+
+
+def _cai_args(cai: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ptr": cai["data"][0],
+        "shape": tuple(cai["shape"]),
+        "typestr": cai["typestr"],
+        "readonly": cai["data"][1],
+        "stream": cai.get("stream"),
+        "strides": cai.get("strides"),
+    }
