@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._errors import InvalidArgument, translate_backend_error
+from ._foreign import import_copy_args, importers_of
 from ._future import CopyFuture
 from ._host import HOST_EP_NAME, lower_thread_priority
+from ._importer import MemoryImporter
 from ._notification import Notification
 from ._ownership import Scope
 from ._routes import RouteCache
@@ -79,6 +81,8 @@ class CopyDispatcher:
             done = _copy_small_arrays(src, dst, self._transfers)
             if done is not None:
                 return CopyFuture.completed(done, Notification(_Completed(None)))
+        # Foreign tensors (DLPack, CUDA Array Interface) become tensors here.
+        src, dst, waits = import_copy_args(src, dst, self._importers, stream)
         # The registry changes its list in place, maybe from another thread: route over a
         # snapshot (which RouteCache.table compares with its own at no extra cost).
         transfers = tuple(self._transfers)
@@ -93,7 +97,7 @@ class CopyDispatcher:
                 defer_packing=True,
                 scope=self._scope,
             )
-            return self._copy_unstreamed(plan)
+            return self._copy_unstreamed(plan, waits)
         if not isinstance(stream, SyncStream):
             raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
         stream._check_open()
@@ -115,6 +119,8 @@ class CopyDispatcher:
         )
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
+            stream.wait(Notification(wait))
         if plan.packs:
             assert isinstance(impl, ThreadStream)  # only such streams defer packing
             impl.enqueue(plan.pack)
@@ -127,7 +133,9 @@ class CopyDispatcher:
                     raise
                 raise error from exc
         stream._enqueued()
-        future = CopyFuture(plan.src + plan.dst, plan.dst, stream.record(), stream)
+        mark = stream.record()
+        _note_use(plan, mark)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream)
         if not future.done():
             self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
@@ -138,9 +146,26 @@ class CopyDispatcher:
                 return lib.name
         raise InvalidArgument(f"{stream!r} does not belong to this environment")
 
-    def _copy_unstreamed(self, plan: CopyPlan) -> CopyFuture:
+    def _importers(self) -> list[MemoryImporter]:
+        """The registered libraries' memory importers (for foreign tensors)."""
+        return importers_of(lib.factory for lib in list(self._libraries.values()))
+
+    def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
             return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+        if waits:
+            waits = [w for w in waits if not w.query()]
+        if waits:
+            # A producer's stream still has work before the data is ready: wait for it on a
+            # copy thread, never on the loop.
+            signal = HostNotification()
+            what = " / ".join(_describe(t) for t, _ in plan.groups)
+            mark = Notification(signal)
+            _note_use(plan, mark)
+            future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
+            self._get_executor().submit(_run_plan_after, waits, plan, signal)
+            self._track(future, frozenset(plan.libraries))
+            return future
         if plan.inline:
             # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
             failure = _run_groups(plan)
@@ -167,7 +192,9 @@ class CopyDispatcher:
                 return future
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, Notification(signal), what)
+        mark = Notification(signal)
+        _note_use(plan, mark)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
         self._get_executor().submit(_run_plan, plan, signal)
         if not future.done():
             self._track(future, frozenset(plan.libraries))
@@ -294,6 +321,27 @@ def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
     plan.groups.clear()
     plan.packs.clear()
     signal.set(None if failure is None else failure[1])
+
+
+def _note_use(plan: CopyPlan, done: Notification) -> None:
+    """Mark the batch's buffers as used until ``done``: a DLPack export of one of them
+    orders its consumer after the copy (``Buffer.pending_work``)."""
+    for t in plan.src:
+        t.buffer._last_use = done
+    for t in plan.dst:
+        t.buffer._last_use = done
+
+
+def _run_plan_after(
+    waits: list[NotificationImpl], plan: CopyPlan, signal: HostNotification
+) -> None:
+    for wait in waits:
+        wait.wait_on_host(None)
+        error = wait.error()
+        if error is not None:
+            signal.set(error)
+            return
+    _run_plan(plan, signal)
 
 
 class _Completed(NotificationImpl):

@@ -442,6 +442,11 @@ class Environment(AsyncResource):
         between shapes), writable destinations that overlap nothing, and a data
         transfer for each device pair. With ``stream`` the copies are enqueued on
         it in order; without one they run off the event loop (tiny batches inline).
+
+        Sources and destinations may also be other libraries' tensors (anything with
+        ``__dlpack__`` or ``__cuda_array_interface__``): taken zero-copy on the device
+        that owns their memory, kept alive until the copy is done, with the producer's
+        stream ordered before the copy.
         """
         self._check_open()
         return self._copies.copy(src, dst, stream, allow_reshape)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ._device import EpDevice
     from ._ep import Ep
     from ._external_data_loader import ExternalDataLoader
+    from ._importer import MemoryImporter
 
 __all__ = ["EpFactory", "FactoryOptions"]
 
@@ -67,6 +68,11 @@ class EpFactory(abc.ABC):
 
     def create_external_data_loader(self) -> ExternalDataLoader | None:
         """A loader that puts external initializer data straight into device memory, or None."""
+        return None
+
+    def create_memory_importer(self) -> MemoryImporter | None:
+        """What adopts other libraries' memory (DLPack, CUDA Array Interface) on this
+        factory's devices, or None (see :class:`aioep.abc.MemoryImporter`)."""
         return None
 
     def create_ep(self, ep_devices: Sequence[EpDevice], options: Mapping[str, Any] | None) -> Ep:

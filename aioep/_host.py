@@ -18,6 +18,7 @@ from ._allocator import Allocator
 from ._device import EpDevice
 from ._errors import DeviceError, InvalidArgument
 from ._factory import EpFactory, FactoryOptions
+from ._importer import HostMemoryImporter, MemoryImporter
 from ._stream_impl import StreamImpl, ThreadStream
 from ._tensor import HOST_MEMORY_INFO, Buffer
 from ._transfer import CopyPair, DataTransfer
@@ -243,6 +244,10 @@ class HostFactory(EpFactory):
 
     def create_data_transfer(self) -> DataTransfer:
         return HostDataTransfer(self._copy_threads)
+
+    def create_memory_importer(self) -> MemoryImporter:
+        """Host RAM handed over as ``kDLCPU`` (numpy, PyTorch and JAX CPU tensors)."""
+        return HostMemoryImporter()
 
     def is_stream_aware(self) -> bool:
         return True

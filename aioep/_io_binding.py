@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidArgument
+from ._foreign import import_value, is_foreign
+from ._notification import Notification
 from ._ownership import check_owner
 from ._session_values import InputSpec, check_type, same_memory
 from ._tensor import Tensor
@@ -19,6 +21,8 @@ from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
 if TYPE_CHECKING:
     from ._environment import Environment
     from ._graph import ValueInfo
+    from ._stream import SyncStream
+    from ._stream_impl import NotificationImpl
 
 __all__ = ["IOBinding", "place_bound_outputs"]
 
@@ -48,19 +52,32 @@ class IOBinding:
         self._inputs: dict[str, Tensor] = {}
         self._outputs: dict[str, Tensor | MemoryInfo] = {}
         self._results: dict[str, Any] = {}
+        # Foreign producers' pending work on bound values (a CUDA Array Interface's stream,
+        # a DLPack producer's), waited for by the next run.
+        self._producer_work: dict[tuple[str, str], NotificationImpl] = {}
+        self._new_work: NotificationImpl | None = None
         self._session = session  # only runs of this session take the binding
+
+    def _commit_work(self, key: tuple[str, str]) -> None:
+        """A bind succeeded: its value's producer work (if any) replaces the old value's."""
+        work, self._new_work = self._new_work, None
+        if work is None:
+            self._producer_work.pop(key, None)
+        else:
+            self._producer_work[key] = work
 
     # -- inputs ----------------------------------------------------------------------------
     def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:
-        """Bind ``value`` (a tensor on any device the session can read, or a numpy array)
-        to model input ``name``; it replaces what was bound there."""
+        """Bind ``value`` (a tensor on any device the session can read, a numpy array, or
+        another library's tensor: DLPack, CUDA Array Interface) to model input ``name``;
+        it replaces what was bound there."""
         spec = self._input_specs.get(name)
         if spec is None:
             raise InvalidArgument(
                 f"bind_input: unknown input {name!r}; the model's inputs are "
                 f"{list(self._input_specs)}"
             )
-        tensor = self._tensor(value, f"bind_input({name!r})")
+        tensor = self._tensor(value, f"bind_input({name!r})", ("input", name))
         _, want, shape, _ = spec
         check_type(f"bind_input({name!r}): {tensor!r}", tensor, want, shape)
         for reader in self._readers.get(name, ()):
@@ -71,6 +88,7 @@ class IOBinding:
                     "session reads it"
                 )
         self._inputs[name] = tensor
+        self._commit_work(("input", name))
 
     @property
     def inputs(self) -> Mapping[str, Tensor]:
@@ -80,6 +98,7 @@ class IOBinding:
     def clear_binding_inputs(self) -> None:
         """Unbind every input."""
         self._inputs.clear()
+        self._producer_work = {k: w for k, w in self._producer_work.items() if k[0] != "input"}
 
     # -- outputs ---------------------------------------------------------------------------
     def bind_output(self, name: str, target: Tensor | MemoryInfo) -> None:
@@ -100,14 +119,16 @@ class IOBinding:
                     f"({target.device})"
                 )
             self._outputs[name] = target
+            self._producer_work.pop(("output", name), None)
             return
-        tensor = self._tensor(target, where)
+        tensor = self._tensor(target, where, ("output", name))
         if tensor.buffer.readonly:
             raise InvalidArgument(f"{where}: {tensor!r} is read-only")
         info = self._output_infos[name]
         if info is not None:
             check_type(f"{where}: {tensor!r}", tensor, info.dtype, info.shape)
         self._outputs[name] = tensor
+        self._commit_work(("output", name))
 
     @property
     def outputs(self) -> Mapping[str, Tensor | MemoryInfo]:
@@ -117,13 +138,24 @@ class IOBinding:
     def clear_binding_outputs(self) -> None:
         """Unbind every output."""
         self._outputs.clear()
+        self._producer_work = {k: w for k, w in self._producer_work.items() if k[0] != "output"}
 
     def get_outputs(self) -> dict[str, Any]:
         """The last run's outputs, in the model's output order (bound ones where bound)."""
         return dict(self._results)
 
     # -- checks ----------------------------------------------------------------------------
-    def _tensor(self, value: Any, where: str) -> Tensor:
+    def _tensor(self, value: Any, where: str, key: tuple[str, str]) -> Tensor:
+        self._new_work = None
+        if is_foreign(value):
+            imported, work = import_value(self._env, value, where, writable=key[0] == "output")
+            if not isinstance(imported, Tensor):
+                raise InvalidArgument(
+                    f"{where}: {type(value).__name__} is not C-contiguous (strides "
+                    f"{imported.strides}); bind a contiguous tensor"
+                )
+            self._new_work = work
+            return imported
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject or not value.flags.c_contiguous:
                 raise InvalidArgument(
@@ -145,6 +177,18 @@ class IOBinding:
         return any(t.can_copy(src, dst) for _, t in self._env._transfers)
 
     # -- runs ------------------------------------------------------------------------------
+    async def _producers_ready(self, stream: SyncStream | None) -> None:
+        """Order the run after the foreign producers' work pending when they were bound:
+        on ``stream``, on the device, or awaited without blocking the loop."""
+        if not self._producer_work:
+            return
+        work, self._producer_work = list(self._producer_work.values()), {}
+        for impl in work:
+            if stream is not None:
+                stream.wait(Notification(impl))
+            else:
+                await Notification(impl)
+
     def _run_inputs(self) -> dict[str, Tensor]:
         missing = [
             n

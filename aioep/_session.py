@@ -253,7 +253,9 @@ class Session(AsyncResource):
     ) -> dict[str, Any]:
         """Run the model and return output name -> tensor.
 
-        ``inputs`` maps every model input to a host array or a tensor on any device.
+        ``inputs`` maps every model input to a host array or a tensor on any device (or
+        another library's tensor, taken zero-copy through DLPack or the CUDA Array
+        Interface).
         Outputs stay where the producing EP put them; ``output_location="host"``
         copies them to host memory.
 
@@ -322,6 +324,7 @@ class Session(AsyncResource):
                 f"run_with_binding: {binding!r} is not an IOBinding of this session "
                 "(make one with session.io_binding())"
             )
+        await binding._producers_ready(stream)
         bound = binding._bound_outputs()
         into = {name: t for name, t in bound.items() if isinstance(t, Tensor)}
         for name, t in into.items():

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from ._cpu_fallback import from_ort, run_ort, to_ort
 from ._errors import DeviceError, EpError, InvalidArgument
+from ._foreign import import_feeds
 from ._session_values import RunValue, bind_inputs, host_feeds, same_memory
 from ._stream import SyncStream
 from ._tensor import Tensor
@@ -78,6 +79,7 @@ class Runner:
                 f"run: output_location must be 'device' or 'host', got {output_location!r}"
             )
         streams, user_ready = self._streams_for(stream)
+        inputs = await import_feeds(self.env, inputs, stream)
         plan = self.plan
         if plan.direct is not None and stream is None:
             feeds = host_feeds(plan.input_specs, inputs)

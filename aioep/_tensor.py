@@ -46,6 +46,7 @@ class Buffer:
     __slots__ = (
         "__weakref__",
         "_finalizer",
+        "_last_use",
         "_owner",
         "_pin_lock",
         "_pins",
@@ -97,6 +98,7 @@ class Buffer:
         self.readonly = readonly
         self.stream = stream
         self._owner = owner
+        self._last_use: Any = None  # the Notification of the last copy that used it
         self._pins = 0
         self._released = False
         self._pin_lock = threading.Lock()
@@ -138,6 +140,15 @@ class Buffer:
             if self._finalizer is not None:
                 self._finalizer()
         self._owner = None
+
+    @property
+    def pending_work(self) -> Any:
+        """The :class:`~aioep.Notification` of the last copy that used this buffer while it
+        is not complete, else None: what a DLPack consumer's stream must wait for."""
+        work = getattr(self, "_last_use", None)  # unset on buffers built without __init__
+        if work is None or work.done():
+            return None
+        return work
 
     def _pin(self) -> None:
         with self._pin_lock:
@@ -367,6 +378,10 @@ class Tensor:
 
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, **kwargs: Any) -> Any:
         if self.is_host_accessible:
+            work = self.buffer.pending_work
+            if work is not None and stream != -1:
+                # Host memory has no stream to order: the data must be ready now.
+                work.wait()
             arr = self.numpy()
             if max_version is None:
                 return arr.__dlpack__(stream=stream)
@@ -383,9 +398,10 @@ class Tensor:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3 for tensors in NVIDIA device memory (CuPy, PyTorch, Numba).
 
-        ``stream`` is the handle of the open stream the buffer was allocated on
-        (consumers order their work after it), else None. Other tensors have no
-        such attribute (``hasattr`` is False).
+        ``stream`` is the handle of the open stream of the last copy that used the buffer
+        while it runs, else of the open stream the buffer was allocated on (consumers
+        order their work after it), else None. Other tensors have no such attribute
+        (``hasattr`` is False).
         """
         dev = self.device
         if not (
@@ -395,6 +411,9 @@ class Tensor:
         ):
             raise AttributeError(f"{self!r} is not in CUDA device memory")
         stream = self.buffer.stream
+        work = self.buffer.pending_work
+        if work is not None and work.stream is not None and not work.stream.closed:
+            stream = work.stream
         handle = None if stream is None or getattr(stream, "closed", True) else stream.handle
         return {
             "version": 3,
@@ -487,3 +506,41 @@ def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = F
     raise InvalidArgument(
         f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}"
     )
+
+
+class ImportedBuffer(Buffer):
+    """Memory another library made and handed over (DLPack, CUDA Array Interface): owned by
+    its producer, usable by any environment whose backends own that device, never freed
+    by aioep.
+
+    ``producer`` is the object it came from; the buffer keeps it alive, and a release
+    callback (the DLPack deleter) runs when the buffer dies. :meth:`free` hands the memory
+    back to the producer early (never while a copy uses it).
+    """
+
+    __slots__ = ("producer",)
+
+    imported = True
+    """Marks memory owned by its producer (ownership checks let any environment use it)."""
+
+    def __init__(
+        self,
+        ptr: int,
+        nbytes: int,
+        memory_info: MemoryInfo,
+        *,
+        producer: object,
+        keep: object = None,
+        release: Callable[[], None] | None = None,
+        readonly: bool = False,
+    ) -> None:
+        super().__init__(
+            ptr, nbytes, memory_info, owner=(producer, keep), release=release, readonly=readonly
+        )
+        self.producer = producer
+
+    def __repr__(self) -> str:
+        return (
+            f"<ImportedBuffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r} "
+            f"from {type(self.producer).__name__}>"
+        )

@@ -22,7 +22,9 @@ returns :class:`IndexedSubGraph` claims (with a :class:`MetaDef` for a fused gro
 ``compile`` turns each :class:`FusedGroup` into a :class:`CompiledNode`.
 :data:`HOST_MEMORY_INFO` is host RAM, for an EP that takes host tensors, and
 :func:`register_dlpack_exporter` lets ``Tensor.__dlpack__`` hand device tensors to
-other libraries.
+other libraries (:func:`dlpack_capsule` builds the capsule), and a
+:class:`MemoryImporter` (``EpFactory.create_memory_importer``) lets aioep take other
+libraries' tensors (DLPack, CUDA Array Interface) on the backend's devices.
 
 ``backends/sim`` is the reference implementation to copy.
 """
@@ -32,6 +34,11 @@ import typing
 from ._allocator import Allocator as Allocator
 from ._chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
 from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
+from ._dlpack import DLDeviceType as DLDeviceType
+from ._dlpack import DLManagedTensor as DLManagedTensor
+from ._dlpack import dlpack_capsule as dlpack_capsule
+from ._dlpack import dlpack_dtype as dlpack_dtype
+from ._dlpack import live_dlpack_exports as live_dlpack_exports
 from ._ep import CompiledNode as CompiledNode
 from ._ep import Ep as Ep
 from ._ep import FusedGroup as FusedGroup
@@ -45,6 +52,7 @@ from ._graph import Initializer as Initializer
 from ._graph import Node as Node
 from ._graph import ValueInfo as ValueInfo
 from ._host import HostAllocator as HostAllocator
+from ._importer import MemoryImporter as MemoryImporter
 from ._options import parse_bool_option as parse_bool_option
 from ._options import parse_choice_option as parse_choice_option
 from ._options import parse_float_option as parse_float_option
@@ -72,6 +80,8 @@ __all__ = [
     "ChunkedExternalDataLoader",
     "CompiledNode",
     "CopyPair",
+    "DLDeviceType",
+    "DLManagedTensor",
     "DataTransfer",
     "Ep",
     "EpFactory",
@@ -83,12 +93,16 @@ __all__ = [
     "HostNotification",
     "IndexedSubGraph",
     "Initializer",
+    "MemoryImporter",
     "MetaDef",
     "Node",
     "NotificationImpl",
     "StreamImpl",
     "ThreadStream",
     "ValueInfo",
+    "dlpack_capsule",
+    "dlpack_dtype",
+    "live_dlpack_exports",
     "parse_bool_option",
     "parse_choice_option",
     "parse_float_option",

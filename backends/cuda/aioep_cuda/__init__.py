@@ -18,6 +18,7 @@ from aioep.abc import register_dlpack_exporter
 from ._allocator import CudaDeviceAllocator as CudaDeviceAllocator
 from ._allocator import CudaPinnedAllocator as CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID as NVIDIA_VENDOR_ID
+from ._dlpack import CudaMemoryImporter as CudaMemoryImporter
 from ._dlpack import export_dlpack as export_dlpack
 from ._factory import CudaFactory as CudaFactory
 from ._factory import CudaOptions as CudaOptions
@@ -29,6 +30,7 @@ __all__ = [
     "NVIDIA_VENDOR_ID",
     "CudaDataTransfer",
     "CudaDeviceAllocator",
+    "CudaMemoryImporter",
     "CudaFactory",
     "CudaNotification",
     "CudaOptions",

@@ -1,103 +1,53 @@
-"""DLPack export of tensors in CUDA device memory, built with ctypes (no compiled code).
+"""DLPack and CUDA Array Interface for CUDA memory: export (``Tensor.__dlpack__``) and
+import (a :class:`~aioep.abc.MemoryImporter`), built with ctypes (no compiled code).
 
-Registered with ``aioep.abc.register_dlpack_exporter`` under NVIDIA's vendor id, so
-``torch.from_dlpack(t)`` / ``cupy.from_dlpack(t)`` take a CUDA tensor zero-copy.
-The capsule is a legacy ``"dltensor"`` one (DLPack 0.8 ABI), which every
-consumer accepts.
+Export is registered with ``aioep.abc.register_dlpack_exporter`` under NVIDIA's vendor
+id, so ``torch.from_dlpack(t)`` / ``cupy.from_dlpack(t)`` take a CUDA tensor zero-copy;
+the capsule is a legacy ``"dltensor"`` one (DLPack 0.8 ABI, which every consumer
+accepts), built by :func:`aioep.abc.dlpack_capsule`.
+
+Import takes ``kDLCUDA`` and ``kDLCUDAHost`` DLPack tensors and CUDA Array Interfaces
+whose pointer the driver knows (``cuPointerGetAttribute``: device memory of one of our
+GPUs, or page-locked host memory). Streams follow the array API standard: a copy on a
+:class:`CudaStream` passes its handle to the producer; a copy without a stream passes
+None (the legacy default stream), and waits for that stream, or for a CUDA Array
+Interface's ``stream``, on an event recorded there.
 """
 
 from __future__ import annotations
 
-import ctypes
-import threading
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from aioep import Tensor
+from aioep import MemoryInfo, NotImplementedByEp, Tensor
+from aioep.abc import (
+    DLDeviceType,
+    DLManagedTensor,
+    MemoryImporter,
+    NotificationImpl,
+    StreamImpl,
+    dlpack_capsule,
+    dlpack_dtype,
+    live_dlpack_exports,
+)
 
-__all__ = ["DLManagedTensor", "DLTensor", "dlpack_dtype", "export_dlpack"]
+from ._device import CudaDevice
+from ._driver import call_nogil, check, ctx_current, driver
+from ._stream import CudaNotification, CudaStream
 
-_DL_CUDA = 2
-_KINDS = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
-
-
-class DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [
-    ("dl_tensor", DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _Deleter),
+__all__ = [
+    "CudaMemoryImporter",
+    "DLManagedTensor",
+    "dlpack_dtype",
+    "export_dlpack",
+    "live_exports",
 ]
 
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-# Private function objects (indexing makes new ones): other code that sets argtypes on
-# ctypes.pythonapi.PyCapsule_* attributes cannot change ours.
-_capsule_new = ctypes.pythonapi["PyCapsule_New"]
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
-_capsule_is_valid = ctypes.pythonapi["PyCapsule_IsValid"]
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_capsule_pointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-
-# Exported tensors by DLManagedTensor address: what keeps the memory and the structs alive
-# until the consumer calls the deleter (or the capsule dies unconsumed).
-_live: dict[int, tuple[Any, ...]] = {}
-_live_lock = threading.Lock()
-
-
-def _delete(managed: Any) -> None:
-    addr = ctypes.cast(managed, ctypes.c_void_p).value or 0
-    with _live_lock:
-        _live.pop(addr, None)
-
-
-_deleter = _Deleter(_delete)
-
-
-def _capsule_destructor(capsule: int | None) -> None:
-    # Called when the capsule dies; if it was never consumed it still owns the tensor.
-    if capsule and _capsule_is_valid(capsule, b"dltensor"):
-        addr = _capsule_pointer(capsule, b"dltensor")
-        with _live_lock:
-            _live.pop(addr or 0, None)
-
-
-_destructor = _CapsuleDestructor(_capsule_destructor)
-
-
-def dlpack_dtype(dtype: np.dtype[Any]) -> tuple[int, int, int]:
-    """(code, bits, lanes) of a numpy dtype, or BufferError for types DLPack lacks."""
-    code = _KINDS.get(dtype.kind)
-    if code is None or dtype.byteorder == ">":
-        raise BufferError(f"dtype {dtype} has no DLPack equivalent")
-    return code, dtype.itemsize * 8, 1
+_DL_CUDA = int(DLDeviceType.CUDA)
+_LEGACY_STREAM = 1  # CU_STREAM_LEGACY: what DLPack's stream=None means on CUDA
 
 
 def export_dlpack(tensor: Tensor, stream: Any = None) -> Any:
@@ -108,52 +58,181 @@ def export_dlpack(tensor: Tensor, stream: Any = None) -> Any:
     ``cudaStream_t``). When the buffer was allocated on an open aioep stream,
     the consumer's stream is made to wait (on the device) for that stream's work.
     """
-    code, bits, lanes = dlpack_dtype(tensor.dtype)
+    dlpack_dtype(np.dtype(tensor.dtype))  # BufferError before any side effect
     if tensor.buffer.freed:
         raise BufferError(f"tensor buffer {tensor.buffer!r} was freed")
     _order_consumer(tensor, stream)
-    ndim = tensor.ndim
-    shape = (ctypes.c_int64 * max(ndim, 1))(*tensor.shape)
-    strides = (ctypes.c_int64 * max(ndim, 1))(*(s // tensor.dtype.itemsize for s in tensor.strides))
-    managed = DLManagedTensor()
-    managed.dl_tensor.data = tensor.data_ptr or None
-    managed.dl_tensor.device = DLDevice(_DL_CUDA, tensor.device.device_id)
-    managed.dl_tensor.ndim = ndim
-    managed.dl_tensor.dtype = DLDataType(code, bits, lanes)
-    managed.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    managed.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
-    managed.dl_tensor.byte_offset = 0
-    managed.manager_ctx = None
-    managed.deleter = _deleter
-    addr = ctypes.addressof(managed)
-    with _live_lock:
-        _live[addr] = (managed, shape, strides, tensor)
-    return _capsule_new(addr, b"dltensor", _destructor)
+    return dlpack_capsule(
+        tensor.data_ptr, tensor.shape, tensor.dtype, (_DL_CUDA, tensor.device.device_id), tensor
+    )
 
 
 def _order_consumer(tensor: Tensor, stream: Any) -> None:
+    """Make the consumer's stream wait (on the device) for aioep's work on the tensor: the
+    stream its buffer was allocated on and the last copy that used it."""
+    if stream == -1:
+        return
+    consumer = _LEGACY_STREAM if stream is None else int(stream)  # 2: per-thread default
     producer = getattr(tensor.buffer.stream, "impl", None)
-    if producer is None or stream == -1 or getattr(producer, "closed", True):
+    if isinstance(producer, CudaStream) and not producer.closed and consumer != producer.handle:
+        drv = driver()
+        notification = producer.create_notification()
+        notification.activate()
+        with ctx_current(producer.device.ctx):
+            check(
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), notification.event, 0),
+                "cuStreamWaitEvent (DLPack consumer stream)",
+            )
+    work = tensor.buffer.pending_work
+    if work is None:
         return
-    from ._driver import check, ctx_current, driver
-    from ._stream import CudaStream
-
-    if not isinstance(producer, CudaStream):
-        return
-    consumer = 1 if stream is None else int(stream)  # 1: CU_STREAM_LEGACY, 2: per-thread
-    if consumer == producer.handle:
-        return
-    drv = driver()
-    notification = producer.create_notification()
-    notification.activate()
-    with ctx_current(producer.device.ctx):
-        check(
-            drv.cuStreamWaitEvent(drv.CUstream(consumer), notification.event, 0),
-            "cuStreamWaitEvent (DLPack consumer stream)",
-        )
+    impl = work.impl
+    if isinstance(impl, CudaNotification):
+        if getattr(work.stream, "handle", None) == consumer:
+            return  # the copy is on the consumer's own stream: already in order
+        drv = driver()
+        with ctx_current(impl.stream.device.ctx):
+            check(
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), impl.event, 0),
+                "cuStreamWaitEvent (DLPack consumer stream, pending copy)",
+            )
+    else:
+        work.wait()  # a copy that no CUDA event marks (run on a worker thread): finish it
 
 
 def live_exports() -> int:
     """Capsules (or consumer tensors) that still hold an exported tensor (for tests)."""
-    with _live_lock:
-        return len(_live)
+    return live_dlpack_exports()
+
+
+class CudaMemoryImporter(MemoryImporter):
+    """Adopts memory the driver knows: device memory of this factory's GPUs and page-locked
+    host memory (``kDLCUDA``, ``kDLCUDAHost``, CUDA Array Interface pointers)."""
+
+    dlpack_device_types = (DLDeviceType.CUDA, DLDeviceType.CUDA_HOST)
+
+    def __init__(self, devices: Mapping[int, CudaDevice]) -> None:
+        self._devices = dict(devices)
+
+    def adopt(self, device_type: int, device_id: int, ptr: int, nbytes: int) -> MemoryInfo | None:
+        if not self._devices or device_type not in (DLDeviceType.CUDA, DLDeviceType.CUDA_HOST):
+            return None
+        first = next(iter(self._devices.values()))
+        if not ptr or not nbytes:
+            if device_type == DLDeviceType.CUDA_HOST:
+                return first.pinned_info
+            dev = self._devices.get(device_id)
+            return None if dev is None else dev.default_info
+        kind, ordinal = _pointer_kind(ptr)
+        if kind == "host":
+            # Page-locked host memory: any GPU reaches it; CUDA copies it asynchronously.
+            if device_type == DLDeviceType.CUDA_HOST or device_id == -1:
+                return first.pinned_info
+            return None
+        if kind != "device" or device_type != DLDeviceType.CUDA:
+            return None
+        if device_id not in (-1, ordinal):
+            return None
+        dev = self._devices.get(ordinal)
+        return None if dev is None else dev.default_info
+
+    def dlpack_stream(self, device_type: int, device_id: int, stream: StreamImpl | None) -> Any:
+        return stream.handle if isinstance(stream, CudaStream) else None
+
+    def producer_work(
+        self, memory: MemoryInfo, producer_stream: Any, stream: StreamImpl | None
+    ) -> NotificationImpl | None:
+        if producer_stream == -1:
+            return None
+        if isinstance(stream, CudaStream) and producer_stream == stream.handle:
+            return None  # the producer ordered its work before our stream itself
+        handle = _LEGACY_STREAM if producer_stream is None else int(producer_stream)
+        dev = self._devices.get(memory.device.device_id) or next(iter(self._devices.values()))
+        return ForeignStreamEvent(dev, handle)
+
+
+def _pointer_kind(ptr: int) -> tuple[str, int]:
+    """("device", ordinal), ("host", -1) for page-locked host memory, or ("unknown", -1)."""
+    drv = driver()
+    attr = drv.CUpointer_attribute
+    try:
+        err, kind = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return "unknown", -1
+        if int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST):
+            return "host", -1
+        if int(kind) != int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+            return "unknown", -1
+        err, ordinal = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return "unknown", -1
+        return "device", int(ordinal)
+    except Exception:
+        return "unknown", -1
+
+
+class ForeignStreamEvent(NotificationImpl):
+    """An event recorded on a producer's stream (any ``CUstream`` value, 1 = legacy default,
+    2 = per-thread default): the point a copy of the producer's memory waits for."""
+
+    __slots__ = ("_device", "event")
+
+    def __init__(self, device: CudaDevice, handle: int) -> None:
+        drv = driver()
+        self._device = device
+        flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(
+            drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+        )
+        with ctx_current(device.ctx):
+            self.event = check(drv.cuEventCreate(flags), "cuEventCreate")
+            try:
+                check(
+                    drv.cuEventRecord(self.event, drv.CUstream(handle)),
+                    f"cuEventRecord (producer stream {handle:#x})",
+                )
+            except BaseException:
+                drv.cuEventDestroy(self.event)
+                raise
+        weakref.finalize(self, _destroy_event, self.event)
+
+    def activate(self) -> None:
+        pass  # recorded when made
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        if not isinstance(stream, CudaStream):
+            raise NotImplementedByEp(
+                f"{type(stream).__name__} cannot wait on the device for a CUDA producer stream"
+            )
+        drv = driver()
+        with stream.lock, ctx_current(stream.device.ctx):
+            check(drv.cuStreamWaitEvent(stream.cu, self.event, 0), "cuStreamWaitEvent (producer)")
+            stream.enqueued()
+
+    def query(self) -> bool:
+        drv = driver()
+        return bool(drv.cuEventQuery(self.event)[0] != drv.CUresult.CUDA_ERROR_NOT_READY)
+
+    def error(self) -> BaseException | None:
+        drv = driver()
+        err = drv.cuEventQuery(self.event)[0]
+        if err in (drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_READY):
+            return None
+        try:
+            check((err,), "cuEventQuery (producer stream)")
+        except BaseException as exc:
+            return exc
+        return None
+
+    def wait_on_host(self, timeout: float | None) -> bool:
+        if timeout is not None:
+            return super().wait_on_host(timeout)
+        # A blocking-sync event: the calling (worker) thread sleeps in the driver.
+        check(call_nogil("cuEventSynchronize", int(self.event)), "cuEventSynchronize (producer)")
+        return True
+
+
+def _destroy_event(event: Any) -> None:
+    try:
+        driver().cuEventDestroy(event)
+    except Exception:  # interpreter exit: nothing can be raised from a finalizer
+        pass

@@ -28,6 +28,7 @@ from aioep.abc import (
 
 from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
+from ._dlpack import CudaMemoryImporter
 from ._driver import check, driver, load_driver
 from ._stream import CudaStream
 from ._transfer import CudaDataTransfer
@@ -232,6 +233,11 @@ class CudaFactory(EpFactory):
         transfer = CudaDataTransfer(self.devices, self)
         self.transfers.append(transfer)
         return transfer
+
+    def create_memory_importer(self) -> CudaMemoryImporter | None:
+        """Adopts device memory of these GPUs and page-locked host memory handed over by
+        DLPack (``kDLCUDA``, ``kDLCUDAHost``) or a CUDA Array Interface."""
+        return CudaMemoryImporter(self.devices) if self.devices else None
 
     def is_stream_aware(self) -> bool:
         return bool(self.devices)

@@ -16,6 +16,7 @@ from aioep.abc import (
 )
 
 from ._device import SIM_VENDOR_ID, SimDevice
+from ._dlpack import SimMemoryImporter
 from ._ep import SimEp
 from ._loader import SimExternalDataLoader
 from ._memory import PinnedAllocator, SimAllocator
@@ -117,6 +118,11 @@ class SimFactory(EpFactory):
     def create_external_data_loader(self) -> SimExternalDataLoader:
         """Reads external initializer data straight into sim device memory (no host staging)."""
         return SimExternalDataLoader({d.device_id: d for d in self.devices})
+
+    def create_memory_importer(self) -> SimMemoryImporter:
+        """Adopts sim device memory handed over by DLPack (``kDLExtDev``) or a CUDA Array
+        Interface (a pointer inside a live sim allocation)."""
+        return SimMemoryImporter({d.device_id: d for d in self.devices})
 
     def is_stream_aware(self) -> bool:
         return True

@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 
 from aioep import DeviceError
 from aioep.abc import ThreadStream
 
 from ._device import SimDevice
 
-__all__ = ["SimStream"]
+__all__ = ["SimStream", "stream_by_handle"]
 
 _ids = itertools.count()
+# Open streams by handle: the ``stream`` value of the DLPack and CUDA Array Interface
+# protocols names a sim stream by its handle.
+_by_handle: weakref.WeakValueDictionary[int, SimStream] = weakref.WeakValueDictionary()
+
+
+def stream_by_handle(handle: int) -> SimStream | None:
+    """The open sim stream whose handle is ``handle``, or None."""
+    stream = _by_handle.get(handle)
+    return None if stream is None or stream.closed else stream
 
 
 class SimStream(ThreadStream):
@@ -26,6 +36,14 @@ class SimStream(ThreadStream):
     def __init__(self, device: SimDevice) -> None:
         super().__init__(f"sim:{device.device_id}/stream-{next(_ids)}")
         self.device = device
+        self.closed = False
+        _by_handle[self.handle] = self
+
+    def close(self) -> None:
+        self.closed = True
+        if _by_handle.get(self.handle) is self:
+            del _by_handle[self.handle]
+        super().close()
 
     def sticky_error(self) -> BaseException | None:
         """Once the device is lost, every later mark on its streams reports it (as CUDA does)."""

@@ -1,0 +1,392 @@
+"""Foreign tensors: objects of other libraries (PyTorch, CuPy, JAX, numba...) taken
+zero-copy wherever aioep takes a tensor, through DLPack (``__dlpack__`` /
+``__dlpack_device__``) or the CUDA Array Interface (``__cuda_array_interface__``).
+
+The registered backends' :class:`~aioep.abc.MemoryImporter` hooks say which device owns
+the memory; the result is a :class:`Tensor` over an :class:`ImportedBuffer`, which keeps
+the producer alive, calls the DLPack deleter when it dies, and is never freed by aioep.
+Stream order follows the array API standard: the producer gets the consumer's stream in
+``__dlpack__(stream=...)``; a CUDA Array Interface's ``stream`` is waited on (on the
+device where the copy has a stream, else on a worker thread before the copy runs).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._dlpack import MAX_VERSION, DLDeviceType, read_capsule
+from ._errors import InvalidArgument
+from ._importer import MemoryImporter
+from ._notification import Notification
+from ._stream import SyncStream
+from ._stream_impl import NotificationImpl, StreamImpl
+from ._tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
+
+if TYPE_CHECKING:
+    from ._environment import Environment
+    from ._factory import EpFactory
+
+__all__ = [
+    "as_tensor",
+    "import_copy_args",
+    "import_feeds",
+    "import_value",
+    "importers_of",
+    "is_foreign",
+]
+
+_DL_CPU = int(DLDeviceType.CPU)
+_cache: weakref.WeakKeyDictionary[EpFactory, MemoryImporter | None] = weakref.WeakKeyDictionary()
+
+
+def importers_of(factories: Iterable[EpFactory]) -> list[MemoryImporter]:
+    """The memory importers of ``factories`` (each factory's one, made on first use)."""
+    out = []
+    for factory in factories:
+        try:
+            importer = _cache[factory]
+        except KeyError:
+            importer = _cache[factory] = factory.create_memory_importer()
+        if importer is not None:
+            out.append(importer)
+    return out
+
+
+def is_foreign(value: object) -> bool:
+    """True for an object aioep takes through DLPack or the CUDA Array Interface (not a
+    Tensor or numpy array, which are taken as they are)."""
+    t = type(value)
+    if t is Tensor or t is np.ndarray or isinstance(value, (Tensor, np.ndarray)):
+        return False
+    return hasattr(t, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
+
+
+def import_copy_args(
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    importers: Callable[[], Sequence[MemoryImporter]],
+    stream: SyncStream | None,
+) -> tuple[Sequence[Any], Sequence[Any], list[NotificationImpl]]:
+    """``src`` and ``dst`` of a ``copy_tensors`` call with foreign objects imported (the
+    lists themselves when they hold none), and the producers' work the copy must wait for.
+    ``importers()`` gives the registered importers (only called for memory other than host
+    RAM). Anything else (not a list or tuple, not a tensor) is left for the copy's own
+    validation to name."""
+    waits: list[NotificationImpl] = []
+    lists: list[Sequence[Any]] = [src, dst]
+    for k, values in enumerate(lists):
+        if type(values) is not list and type(values) is not tuple:
+            continue
+        out: list[Any] | None = None
+        for i, v in enumerate(values):
+            t = type(v)
+            if t is Tensor or t is np.ndarray:
+                continue
+            if hasattr(t, "__dlpack_device__") and hasattr(t, "__dlpack__"):
+                # Inline the common case, a host array handed over by DLPack: this is the
+                # per-call overhead of every such copy.
+                try:
+                    device = v.__dlpack_device__()
+                    host = int(device[0]) == _DL_CPU
+                except Exception:
+                    host = False  # as_tensor reports it
+                if host:
+                    if out is None:
+                        out = list(values)
+                    out[i] = _from_host_dlpack(v, _ROLES[k], i, k == 1)
+                    continue
+            if not is_foreign(v):
+                continue  # not ours to judge: the copy's validation names what is wrong
+            if out is None:
+                out = list(values)
+            impl = None if stream is None or not isinstance(stream, SyncStream) else stream.impl
+            out[i], wait = as_tensor(
+                v, role=f"copy_tensors {_ROLES[k]} {i}", writable=k == 1, importers=importers,
+                stream=impl,
+            )  # fmt: skip
+            if wait is not None:
+                waits.append(wait)
+        if out is not None:
+            lists[k] = out
+    return lists[0], lists[1], waits
+
+
+_ROLES = ("source", "destination")
+
+
+def import_value(
+    env: Environment, value: object, role: str, *, writable: bool = False
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    """:func:`as_tensor` with ``env``'s importers and no stream (a value bound for later
+    use: IOBinding)."""
+    return as_tensor(
+        value, role=role, writable=writable, importers=lambda: _env_importers(env), stream=None
+    )
+
+
+def _env_importers(env: Environment) -> list[MemoryImporter]:
+    return importers_of(lib.factory for lib in list(env._libraries.values()))
+
+
+async def import_feeds(env: Environment, inputs: Any, stream: SyncStream | None) -> Any:
+    """A session run's ``inputs`` with foreign values imported (the mapping itself when it
+    holds none). The producers' pending work is waited for: on ``stream``, on the device,
+    or awaited here without blocking the loop."""
+    if not isinstance(inputs, Mapping) or not any(is_foreign(v) for v in inputs.values()):
+        return inputs
+    impl = None if stream is None else stream.impl
+    out = dict(inputs)
+    waits: list[NotificationImpl] = []
+    for name, value in inputs.items():
+        if is_foreign(value):
+            out[name], wait = as_tensor(
+                value, role=f"run: input {name!r}", writable=False,
+                importers=lambda: _env_importers(env), stream=impl,
+            )  # fmt: skip
+            if wait is not None:
+                waits.append(wait)
+    for wait in waits:
+        if stream is not None:
+            stream.wait(Notification(wait))
+        else:
+            await Notification(wait)
+    return out
+
+
+def as_tensor(
+    value: object,
+    *,
+    role: str,
+    writable: bool,
+    importers: Callable[[], Sequence[MemoryImporter]],
+    stream: StreamImpl | None = None,
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    """Wrap a foreign object zero-copy for the argument named ``role``.
+
+    Returns the tensor (or, for strided host memory read as a source, a numpy view the
+    copy packs) and the producer's pending work to wait for (None: nothing). ``stream``
+    is the backend stream the memory will be used on (None: none). ``importers()`` gives
+    the registered importers; host RAM (``kDLCPU``) is the built-in host device's and
+    needs none.
+
+    Raises:
+        InvalidArgument: no registered device owns the memory, the dtype or layout is
+            unsupported, the producer refused, or ``writable`` and it is read-only.
+    """
+    t = type(value)
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _from_dlpack(value, role, writable, importers, stream)
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(value, cai, role, writable, importers, stream)
+    raise InvalidArgument(
+        f"{role}: expected an aioep.Tensor, a numpy array or an object with __dlpack__ or "
+        f"__cuda_array_interface__, got {t.__name__}"
+    )
+
+
+def _device_name(device_type: int) -> str:
+    try:
+        return f"kDL{DLDeviceType(device_type).name.title().replace('_', '')}"
+    except ValueError:
+        return f"DLPack device type {device_type}"
+
+
+def _from_dlpack(
+    value: Any,
+    role: str,
+    writable: bool,
+    importers: Callable[[], Sequence[MemoryImporter]],
+    stream: StreamImpl | None,
+) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
+    try:
+        device = value.__dlpack_device__()
+        device_type, device_id = int(device[0]), int(device[1])
+    except Exception as exc:
+        raise InvalidArgument(
+            f"{role}: {type(value).__name__}.__dlpack_device__() failed: {exc}"
+        ) from exc
+    if device_type == _DL_CPU:
+        # Host RAM: the built-in host device owns it (its importer says HOST_MEMORY_INFO).
+        return _from_host_dlpack(value, role, None, writable), None
+    name = type(value).__name__
+    owners = [imp for imp in importers() if device_type in imp.dlpack_device_types]
+    if not owners:
+        raise InvalidArgument(
+            f"{role}: {name} lives on {_device_name(device_type)} device {device_id}, which "
+            "no registered backend owns"
+        )
+    producer_stream = owners[0].dlpack_stream(device_type, device_id, stream)
+    try:
+        try:
+            capsule = value.__dlpack__(stream=producer_stream, max_version=MAX_VERSION)
+        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+            capsule = value.__dlpack__(stream=producer_stream)
+        view = read_capsule(capsule)
+    except InvalidArgument:
+        raise
+    except Exception as exc:
+        raise InvalidArgument(f"{role}: {name}.__dlpack__ failed: {exc}") from exc
+    del capsule
+    try:
+        if (view.device_type, view.device_id) != (device_type, device_id):
+            raise InvalidArgument(
+                f"{role}: {name}.__dlpack__ gave a tensor on device "
+                f"({view.device_type}, {view.device_id}), but __dlpack_device__ said "
+                f"({device_type}, {device_id})"
+            )
+        if not view.c_contiguous:
+            raise InvalidArgument(
+                f"{role}: {name} of shape {view.shape} has strides {view.strides} (elements); "
+                "device memory must be C-contiguous (make a contiguous copy first)"
+            )
+        if writable and view.readonly:
+            raise InvalidArgument(
+                f"{role}: {name} is read-only (DLPack flag); it cannot be written"
+            )
+        nbytes = view.nbytes
+        owner, info = _adopt(owners, device_type, device_id, view.data, nbytes)
+        if info is None:
+            raise InvalidArgument(
+                f"{role}: {name}'s memory ({nbytes} bytes at {view.data:#x} on "
+                f"{_device_name(device_type)} device {device_id}) is owned by no registered "
+                "device"
+            )
+        wait = owner.producer_work(info, producer_stream, stream)
+    except BaseException:
+        view.release()
+        raise
+    buffer = ImportedBuffer(
+        view.data, nbytes, info, producer=value, keep=view, release=view.release,
+        readonly=view.readonly,
+    )  # fmt: skip
+    return Tensor(buffer, view.shape, view.dtype), wait
+
+
+def _from_host_dlpack(
+    value: Any, kind: str, index: int | None, writable: bool
+) -> Tensor | np.ndarray[Any, Any]:
+    """A host tensor over ``value``'s ``kDLCPU`` memory (a strided source: a numpy view the
+    copy packs). ``kind`` and ``index`` name the argument (``index`` None: ``kind`` is the
+    whole name)."""
+    # numpy reads the capsule in C (DLPack 1.x, the read-only flag, the deleter) and gives
+    # a view that owns the managed tensor; host memory takes no stream (None).
+    try:
+        array: np.ndarray[Any, Any] = np.from_dlpack(value)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"{_role(kind, index)}: {type(value).__name__} could not be read through DLPack: {exc}"
+        ) from exc
+    flags = array.flags
+    if writable and not flags.writeable:
+        raise InvalidArgument(
+            f"{_role(kind, index)}: {type(value).__name__} is read-only (DLPack flag); it "
+            "cannot be written"
+        )
+    if not flags.c_contiguous:
+        if writable:
+            raise InvalidArgument(
+                f"{_role(kind, index)}: destination {type(value).__name__} of shape "
+                f"{array.shape} is not C-contiguous (strides {array.strides})"
+            )
+        return array  # a source: the copy packs it (off the loop when large)
+    # The hot path of a host tensor handed over by DLPack: build the buffer and the tensor
+    # without their constructors' checks, which the array already satisfies.
+    nbytes = array.nbytes
+    buffer = ImportedBuffer.__new__(ImportedBuffer)
+    buffer.ptr = array.__array_interface__["data"][0]
+    buffer.nbytes = nbytes
+    buffer.memory_info = HOST_MEMORY_INFO
+    buffer.allocator = None
+    buffer.readonly = not flags.writeable
+    buffer.stream = None
+    buffer._owner = (value, array)
+    buffer._pins = 0
+    buffer._released = False
+    buffer._pin_lock = threading.Lock()
+    buffer._finalizer = None
+    buffer._last_use = None
+    buffer.producer = value
+    tensor = Tensor.__new__(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor._nbytes = nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
+
+
+def _role(kind: str, index: int | None) -> str:
+    return kind if index is None else f"copy_tensors {kind} {index}"
+
+
+def _adopt(
+    importers: Iterable[MemoryImporter], device_type: int, device_id: int, ptr: int, nbytes: int
+) -> tuple[MemoryImporter, Any]:
+    first: MemoryImporter | None = None
+    for imp in importers:
+        first = first or imp
+        info = imp.adopt(device_type, device_id, ptr, nbytes)
+        if info is not None:
+            return imp, info
+    return first or MemoryImporter(), None
+
+
+def _from_cai(
+    value: Any,
+    cai: Any,
+    role: str,
+    writable: bool,
+    importers: Callable[[], Sequence[MemoryImporter]],
+    stream: StreamImpl | None,
+) -> tuple[Tensor, NotificationImpl | None]:
+    name = type(value).__name__
+    what = f"{role}: {name}.__cuda_array_interface__"
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        ptr, readonly = int(cai["data"][0] or 0), bool(cai["data"][1])
+        strides = cai.get("strides")
+        producer_stream = cai.get("stream") if int(cai.get("version", 0)) >= 3 else None
+        mask = cai.get("mask")
+    except Exception as exc:
+        raise InvalidArgument(f"{what} is malformed: {exc}") from exc
+    if dtype.hasobject or dtype.byteorder == ">" or dtype.kind not in "biufc":
+        raise InvalidArgument(f"{what}: unsupported dtype {dtype} ({cai['typestr']!r})")
+    if mask is not None:
+        raise InvalidArgument(f"{what}: masked arrays are not supported")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{what}: bad shape {shape}")
+    if strides is not None:
+        step = dtype.itemsize
+        for d, s in zip(reversed(shape), reversed(tuple(strides))):
+            if d != 1 and s != step:
+                raise InvalidArgument(
+                    f"{what}: shape {shape} with byte strides {tuple(strides)} is not "
+                    "C-contiguous; device memory must be (make a contiguous copy first)"
+                )
+            step *= d
+    if producer_stream == 0:
+        raise InvalidArgument(f"{what}: stream 0 is disallowed (ambiguous); use 1, 2 or a handle")
+    if writable and readonly:
+        raise InvalidArgument(f"{what}: the data is read-only (data[1] is True)")
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    # The interface names no device: each importer finds its own memory from the pointer.
+    owner, info = _adopt(importers(), DLDeviceType.CUDA, -1, ptr, nbytes)
+    if info is None:
+        raise InvalidArgument(
+            f"{what}: {nbytes} bytes at {ptr:#x} are memory that no registered device owns"
+        )
+    wait = None
+    if producer_stream is not None:
+        wait = owner.producer_work(info, int(producer_stream), stream)
+    buffer = ImportedBuffer(ptr, nbytes, info, producer=value, readonly=readonly)
+    return Tensor(buffer, shape, dtype), wait
