@@ -102,7 +102,7 @@ def test_ci_runs_the_readme_demo_command_verbatim_and_checks_its_output() -> Non
 def test_readme_names_the_pythons_it_was_tested_on() -> None:
     text = (ROOT / "README.md").read_text()
     claimed = _claimed_pythons()
-    assert f"Python {claimed[0]}–{claimed[-1]}" in text
+    assert f"Python {claimed[0]}\N{EN DASH}{claimed[-1]}" in text
     tested = re.search(r"CI tests it on Python ([0-9., and]+)", text)
     assert tested is not None, "the README no longer says which Pythons CI tests"
     assert re.findall(r"3\.\d+", tested.group(1)) == claimed
