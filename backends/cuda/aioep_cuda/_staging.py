@@ -50,7 +50,7 @@ import numpy.typing as npt
 from aioep import ClosedError, DeviceError
 
 from ._driver import call_nogil, check, ctx_current, driver
-from ._pool import Block
+from ._pool import Block, size_class
 from ._stream import CudaStream
 
 if TYPE_CHECKING:
@@ -98,8 +98,10 @@ class StagingOptions:
 
     @property
     def bound(self) -> int:
-        """Most bytes of pinned staging memory one device's stager holds."""
-        return self.chunk_bytes * self.chunks
+        """Most bytes of pinned staging memory one device's stager holds: ``chunks`` blocks
+        of the pinned pool's size for ``chunk_bytes`` (a power of two up to 1 MiB, then a
+        multiple of 1 MiB: 64 MiB chunks take exactly 64 MiB)."""
+        return size_class(self.chunk_bytes) * self.chunks
 
 
 def host_copy(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
@@ -392,7 +394,8 @@ class Stager:
             if self._free:
                 chunk = self._free.pop()
                 return functools.partial(self._start, self._pop(job), chunk)
-            if len(self._chunks) + self._allocating < self._cap:
+            if not self._allocating and len(self._chunks) < self._cap:
+                # One allocation at a time: the pool checks its limit before it allocates.
                 self._allocating += 1
                 return functools.partial(self._start_new_chunk, self._pop(job))
             return None

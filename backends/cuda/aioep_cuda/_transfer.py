@@ -237,15 +237,17 @@ class CudaDataTransfer(DataTransfer):
             job = self._pageable.staging.stager(dev).submit(staged, keep)
             if job is None:
                 raise DeviceError("the CUDA backend is closed")
-        cu, event, seen = dev.copy_stream()
-        drv = driver()
-        seen[0] = dev.shared.fence(cu, seen[0])
-        with ctx_current(dev.ctx):
-            for s, d in direct:
-                self._memcpy(d, s, cu)
-            check(drv.cuEventRecord(event, cu), "cuEventRecord")
-            # A blocking-sync event: the thread sleeps in the driver, it does not spin.
-            check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+        if direct:
+            cu, event, seen = dev.copy_stream()
+            drv = driver()
+            seen[0] = dev.shared.fence(cu, seen[0])
+            with ctx_current(dev.ctx):
+                for s, d in direct:
+                    self._memcpy(d, s, cu)
+                check(drv.cuEventRecord(event, cu), "cuEventRecord")
+                # A blocking-sync event: the thread sleeps in the driver, it does not spin.
+                check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+        # (An empty batch runs inline on the event loop: it must not wait for anything.)
         if job is not None:
             job.released.wait()
             if job.error is not None:
