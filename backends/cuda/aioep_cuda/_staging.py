@@ -334,11 +334,30 @@ class Stager:
         streams = self._streams
         with self._cond:
             chunks, self._chunks, self._free = self._chunks, [], []
+            # Every batch released: the staging streams' work has completed. Otherwise (a
+            # timeout) the pool reuses the chunks only after what is still queued on them.
+            busy = bool(abandoned or self._active)
         for chunk in chunks:
-            self.device.pinned.give(chunk.block, streams or ())
+            self.device.pinned.give(chunk.block, streams or () if busy else ())
         if streams is not None:
+            if not busy:
+                self._drain(streams, deadline)
             for s in streams:
                 s.close()
+
+    def _drain(self, streams: Sequence[CudaStream], deadline: float) -> None:
+        """Wait (bounded, polling ``cuStreamQuery``: it never holds the context) until the
+        staging streams are idle: the host functions behind the last events included, so that
+        the device's final release finds no staging work in flight."""
+        drv = driver()
+        delay = 50e-6
+        with ctx_current(self.device.ctx):
+            for s in streams:
+                while drv.cuStreamQuery(s.cu)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
+                    if time.monotonic() > deadline:
+                        return
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5e-3)
 
     # -- workers -----------------------------------------------------------------------------
     def _start_workers(self) -> None:
