@@ -27,8 +27,7 @@ from aioep import MemoryType
 
 aioep_cuda = pytest.importorskip("aioep_cuda")
 
-from aioep_cuda import CudaFactory, CudaOptions  # noqa: E402
-from aioep_cuda import _staging  # noqa: E402
+from aioep_cuda import CudaFactory, CudaOptions, _staging  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -109,7 +108,8 @@ def _mem(gpu: aioep.EpDevice, kind: MemoryType = MemoryType.DEFAULT) -> aioep.Me
 
 def _stager(env: aioep.Environment, gpu: aioep.EpDevice) -> _staging.Stager:
     factory = gpu.factory
-    assert isinstance(factory, CudaFactory) and factory.staging is not None
+    assert isinstance(factory, CudaFactory)
+    assert factory.staging is not None
     return factory.staging.stager(factory.devices[gpu.hardware.device_id])
 
 
@@ -159,7 +159,8 @@ def test_staging_options_parse_with_defaults() -> None:
     assert opts.staging == _staging.StagingOptions(chunk_bytes=1 << 16, chunks=0, threads=2)
     default = CudaOptions().staging
     assert default == _staging.StagingOptions()
-    assert default.chunk_bytes == 64 << 20 and default.chunks == 4
+    assert default.chunk_bytes == 64 << 20
+    assert default.chunks == 4
     assert 1 <= default.threads <= 8
     assert default.bound == default.chunk_bytes * default.chunks  # 64 MiB: no rounding
     assert _staging.StagingOptions(chunk_bytes=5000, chunks=3).bound == 3 * 8192
@@ -220,12 +221,14 @@ async def test_odd_shapes_and_dtypes(shape: tuple[int, ...], dtype: str) -> None
     data = rng.standard_normal(int(np.prod(shape)) * 2).view("uint8")
     data = data[: int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
     out = np.zeros_like(data)
-    async with staged_env(staging_chunk_bytes=1031) as (env, gpu):
-        async with env.create_sync_stream(gpu) as stream:
-            dev = env.empty(shape, dtype, _mem(gpu), stream=stream)
-            env.copy_tensors([data], [dev], stream=stream)
-            await env.copy_tensors([dev], [out], stream=stream)
-            del dev
+    async with (
+        staged_env(staging_chunk_bytes=1031) as (env, gpu),
+        env.create_sync_stream(gpu) as stream,
+    ):
+        dev = env.empty(shape, dtype, _mem(gpu), stream=stream)
+        env.copy_tensors([data], [dev], stream=stream)
+        await env.copy_tensors([dev], [out], stream=stream)
+        del dev
     assert out.tobytes() == data.tobytes()  # bit-exact, NaN payloads included
 
 
@@ -248,16 +251,19 @@ async def test_any_batch_round_trips(
     rng = np.random.default_rng(sum(sizes) + chunk)
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     outs = [np.zeros_like(s) for s in srcs]
-    async with staged_env(
-        staging_chunk_bytes=chunk, staging_chunks=chunks, staging_threads=threads
-    ) as (env, gpu):
-        async with env.create_sync_stream(gpu) as stream:
-            devs = [env.empty(s.shape, s.dtype, _mem(gpu), stream=stream) for s in srcs]
-            env.copy_tensors(srcs, devs, stream=stream)
-            await env.copy_tensors(devs, outs, stream=stream)
-            stager = _stager(env, gpu)
-            assert stager.peak_bytes <= stager.options.bound
-            del devs
+    async with (
+        staged_env(staging_chunk_bytes=chunk, staging_chunks=chunks, staging_threads=threads) as (
+            env,
+            gpu,
+        ),
+        env.create_sync_stream(gpu) as stream,
+    ):
+        devs = [env.empty(s.shape, s.dtype, _mem(gpu), stream=stream) for s in srcs]
+        env.copy_tensors(srcs, devs, stream=stream)
+        await env.copy_tensors(devs, outs, stream=stream)
+        stager = _stager(env, gpu)
+        assert stager.peak_bytes <= stager.options.bound
+        del devs
     for s, o in zip(srcs, outs):
         np.testing.assert_array_equal(o, s)
 
@@ -347,20 +353,23 @@ async def test_one_chunk_one_thread_serves_everything() -> None:
     rng = np.random.default_rng(5)
     datas = [rng.integers(0, 256, 3 * CHUNK + i, dtype=np.uint8) for i in range(6)]
     outs = [np.zeros_like(d) for d in datas]
-    async with staged_env(staging_chunks=1, staging_threads=1) as (env, gpu):
-        async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
-            devs = [env.empty(d.shape, d.dtype, _mem(gpu)) for d in datas]
-            futures = [
-                env.copy_tensors([d], [t], stream=(s1, s2)[i % 2])
-                for i, (d, t) in enumerate(zip(datas, devs))
-            ]
-            with anyio.fail_after(60):
-                for f in futures:
-                    await f
-                for i, (t, o) in enumerate(zip(devs, outs)):
-                    await env.copy_tensors([t], [o], stream=(s2, s1)[i % 2])
-            assert _stager(env, gpu).peak_bytes == 8192  # one chunk: one 8 KiB pool block
-            del devs, futures, t, f
+    async with (
+        staged_env(staging_chunks=1, staging_threads=1) as (env, gpu),
+        env.create_sync_stream(gpu) as s1,
+        env.create_sync_stream(gpu) as s2,
+    ):
+        devs = [env.empty(d.shape, d.dtype, _mem(gpu)) for d in datas]
+        futures = [
+            env.copy_tensors([d], [t], stream=(s1, s2)[i % 2])
+            for i, (d, t) in enumerate(zip(datas, devs))
+        ]
+        with anyio.fail_after(60):
+            for f in futures:
+                await f
+            for i, (t, o) in enumerate(zip(devs, outs)):
+                await env.copy_tensors([t], [o], stream=(s2, s1)[i % 2])
+        assert _stager(env, gpu).peak_bytes == 8192  # one chunk: one 8 KiB pool block
+        del devs, futures, t, f
     for d, o in zip(datas, outs):
         np.testing.assert_array_equal(o, d)
 
@@ -386,19 +395,18 @@ async def test_a_slow_host_thread(monkeypatch: pytest.MonkeyPatch, use_stream: b
         real(dst, src)
 
     monkeypatch.setattr(_staging, "host_copy", copy)
-    async with staged_env(staging_threads=4) as (env, gpu):
-        async with env.create_sync_stream(gpu) as stream:
-            s = stream if use_stream else None
-            a = env.empty(data.shape, data.dtype, _mem(gpu), stream=s)
-            b = env.empty(data.shape, data.dtype, _mem(gpu), stream=s)
-            later = [env.copy_tensors([data], [a], stream=s)]
-            if s is None:  # without a stream, copies are not ordered with each other
-                await later[0]
-            later.append(env.copy_tensors([a], [b], stream=s))
-            if s is None:
-                await later[1]
-            await env.copy_tensors([b], [out], stream=s)
-            del a, b, later
+    async with staged_env(staging_threads=4) as (env, gpu), env.create_sync_stream(gpu) as stream:
+        s = stream if use_stream else None
+        a = env.empty(data.shape, data.dtype, _mem(gpu), stream=s)
+        b = env.empty(data.shape, data.dtype, _mem(gpu), stream=s)
+        later = [env.copy_tensors([data], [a], stream=s)]
+        if s is None:  # without a stream, copies are not ordered with each other
+            await later[0]
+        later.append(env.copy_tensors([a], [b], stream=s))
+        if s is None:
+            await later[1]
+        await env.copy_tensors([b], [out], stream=s)
+        del a, b, later
     assert slept.is_set()
     np.testing.assert_array_equal(out, data)
 
@@ -446,14 +454,16 @@ async def test_download_then_upload_of_the_same_host_array(
             assert not up.done()
             out = np.zeros(n, np.uint8)
             await env.copy_tensors([y], [out], stream=stream)
-            assert down.done() and up.done()
+            assert down.done()
+            assert up.done()
             del x, y, down, up
         del pinned
     np.testing.assert_array_equal(h, data)
     np.testing.assert_array_equal(out, data)
     writes = [i for i, e in enumerate(log) if e == "write h"]
     reads = [i for i, e in enumerate(log) if e == "read h"]
-    assert writes and reads
+    assert writes
+    assert reads
     assert max(writes) < min(reads), log
 
 
@@ -496,11 +506,11 @@ async def test_cancelled_awaiter_keeps_buffers_alive(
             alive = weakref.ref(host)
             monkeypatch.setattr(_staging, "host_copy", copy)
 
-            async def awaiter() -> None:
-                await env.copy_tensors(*pair, stream=stream)
+            async def awaiter(src: list[Any], dst: list[Any]) -> None:
+                await env.copy_tensors(src, dst, stream=stream)
 
             async with anyio.create_task_group() as tg:
-                tg.start_soon(awaiter)
+                tg.start_soon(awaiter, *pair)
                 assert await anyio.to_thread.run_sync(entered.wait, 20)
                 tg.cancel_scope.cancel()
             del pair, host
@@ -559,7 +569,10 @@ async def test_closing_the_stager_with_batches_queued(monkeypatch: pytest.Monkey
             assert stager.held_bytes == 0
             assert pool.in_use_bytes == 0
             assert not [t for t in threading.enumerate() if t.name.startswith("aioep-cuda-stage")]
-            assert stager.submit([(_staging.H2D, devs[0].data_ptr, datas[0].ctypes.data, n)], []) is None
+            assert (
+                stager.submit([(_staging.H2D, devs[0].data_ptr, datas[0].ctypes.data, n)], [])
+                is None
+            )
             pinned = env.empty((n,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
             for d, t in zip(datas, devs):
                 await env.copy_tensors([t], [pinned], stream=stream)  # pinned: not staged
@@ -579,16 +592,18 @@ async def test_no_pinned_memory_for_a_chunk_is_a_clear_error() -> None:
     import anyio
 
     data = np.arange(2 * CHUNK, dtype=np.uint8)
-    async with staged_env(pinned_pool_limit=1024) as (env, gpu):
-        async with env.create_sync_stream(gpu) as stream:
-            dev = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
-            with anyio.fail_after(20):
-                with pytest.raises(aioep.DeviceError, match="no pinned staging memory"):
-                    await env.copy_tensors([data], [dev], stream=stream)
-                with pytest.raises(aioep.DeviceError, match="no pinned staging memory"):
-                    await env.copy_tensors([data], [dev])
-                await stream  # the gate was opened: the stream goes on
-            del dev
+    async with (
+        staged_env(pinned_pool_limit=1024) as (env, gpu),
+        env.create_sync_stream(gpu) as stream,
+    ):
+        dev = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
+        with anyio.fail_after(20):
+            with pytest.raises(aioep.DeviceError, match="no pinned staging memory"):
+                await env.copy_tensors([data], [dev], stream=stream)
+            with pytest.raises(aioep.DeviceError, match="no pinned staging memory"):
+                await env.copy_tensors([data], [dev])
+            await stream  # the gate was opened: the stream goes on
+        del dev
 
 
 @pytest.mark.gpu
@@ -601,16 +616,19 @@ async def test_a_pinned_pool_limit_between_one_and_all_chunks() -> None:
     limit = 2 * 8192  # chunks of 4099 bytes take 8 KiB blocks of the pool
     datas = [np.full(4 * CHUNK, i + 1, np.uint8) for i in range(4)]
     outs = [np.zeros_like(d) for d in datas]
-    async with staged_env(pinned_pool_limit=limit, staging_chunks=4) as (env, gpu):
-        async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
-            devs = [env.empty(d.shape, d.dtype, _mem(gpu)) for d in datas]
-            with anyio.fail_after(30):
-                for i, (d, t) in enumerate(zip(datas, devs)):
-                    env.copy_tensors([d], [t], stream=(s1, s2)[i % 2])
-                for i, (t, o) in enumerate(zip(devs, outs)):
-                    await env.copy_tensors([t], [o], stream=(s1, s2)[i % 2])
-            assert _stager(env, gpu).peak_bytes <= limit
-            del devs, t
+    async with (
+        staged_env(pinned_pool_limit=limit, staging_chunks=4) as (env, gpu),
+        env.create_sync_stream(gpu) as s1,
+        env.create_sync_stream(gpu) as s2,
+    ):
+        devs = [env.empty(d.shape, d.dtype, _mem(gpu)) for d in datas]
+        with anyio.fail_after(30):
+            for i, (d, t) in enumerate(zip(datas, devs)):
+                env.copy_tensors([d], [t], stream=(s1, s2)[i % 2])
+            for i, (t, o) in enumerate(zip(devs, outs)):
+                await env.copy_tensors([t], [o], stream=(s1, s2)[i % 2])
+        assert _stager(env, gpu).peak_bytes <= limit
+        del devs, t
     for d, o in zip(datas, outs):
         np.testing.assert_array_equal(o, d)
 
@@ -624,15 +642,14 @@ async def test_zero_chunks_is_the_unstaged_baseline() -> None:
     data = np.arange(5 * CHUNK, dtype=np.uint8)
     out = np.zeros_like(data)
     pageable = _stat("pageable_copies")
-    async with staged_env(staging_chunks=0) as (env, gpu):
-        async with env.create_sync_stream(gpu) as stream:
-            dev = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
-            env.copy_tensors([data], [dev], stream=stream)
-            await env.copy_tensors([dev], [out], stream=stream)
-            stager = _stager(env, gpu)
-            assert stager.peak_bytes == 0
-            assert stager.pieces == 2
-            del dev
+    async with staged_env(staging_chunks=0) as (env, gpu), env.create_sync_stream(gpu) as stream:
+        dev = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
+        env.copy_tensors([data], [dev], stream=stream)
+        await env.copy_tensors([dev], [out], stream=stream)
+        stager = _stager(env, gpu)
+        assert stager.peak_bytes == 0
+        assert stager.pieces == 2
+        del dev
     np.testing.assert_array_equal(out, data)
     assert _stat("pageable_copies") == pageable + 2
 
@@ -643,18 +660,21 @@ async def test_staging_is_shared_per_device() -> None:
     """Copies on different streams and without a stream use the device's one stager: its
     chunks are the bound of the whole device, not of one call."""
     data = np.ones(3 * CHUNK, np.uint8)
-    async with staged_env(staging_chunks=2) as (env, gpu):
-        async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
-            dev = env.empty(data.shape, data.dtype, _mem(gpu))
-            stager = _stager(env, gpu)
-            jobs = stager.jobs
-            await env.copy_tensors([data], [dev], stream=s1)
-            await env.copy_tensors([data], [dev], stream=s2)
-            await env.copy_tensors([data], [dev])
-            assert stager.jobs == jobs + 3
-            assert _stager(env, gpu) is stager
-            assert stager.peak_bytes <= stager.options.bound
-            del dev
+    async with (
+        staged_env(staging_chunks=2) as (env, gpu),
+        env.create_sync_stream(gpu) as s1,
+        env.create_sync_stream(gpu) as s2,
+    ):
+        dev = env.empty(data.shape, data.dtype, _mem(gpu))
+        stager = _stager(env, gpu)
+        jobs = stager.jobs
+        await env.copy_tensors([data], [dev], stream=s1)
+        await env.copy_tensors([data], [dev], stream=s2)
+        await env.copy_tensors([data], [dev])
+        assert stager.jobs == jobs + 3
+        assert _stager(env, gpu) is stager
+        assert stager.peak_bytes <= stager.options.bound
+        del dev
 
 
 async def anyio_to_thread(fn: Callable[..., _T], *args: Any) -> _T:

@@ -52,6 +52,7 @@ from aioep import ClosedError, DeviceError
 from ._driver import call_nogil, check, ctx_current, driver
 from ._pool import Block, size_class
 from ._stream import CudaStream
+from ._wake import _report
 
 if TYPE_CHECKING:
     from ._device import CudaDevice
@@ -379,10 +380,7 @@ class Stager:
             try:
                 task()
             except BaseException as exc:  # a bug: report it, keep the worker
-                import sys
-
-                hook = sys.unraisablehook
-                hook(_Unraisable(exc))
+                _report(exc)
 
     def _next(self) -> Callable[[], None] | None:
         with self._cond:
@@ -491,7 +489,8 @@ class Stager:
     def _slice(self, piece: _Piece, a: int, b: int) -> None:
         try:
             if piece.job.error is None:
-                assert piece.to is not None and piece.frm is not None
+                assert piece.to is not None
+                assert piece.frm is not None
                 host_copy(piece.to[a:b], piece.frm[a:b])
         except BaseException as exc:
             piece.job.fail(exc)
@@ -658,17 +657,6 @@ class Stager:
             "jobs": self.jobs,
             "pieces": self.pieces,
         }
-
-
-class _Unraisable:
-    """``sys.unraisablehook`` arguments for a failure inside a staging worker."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc_type = type(exc)
-        self.exc_value = exc
-        self.exc_traceback = exc.__traceback__
-        self.err_msg = "Exception in an aioep-cuda staging worker"
-        self.object = None
 
 
 class Staging:
