@@ -21,10 +21,11 @@ host copies and device copies overlap. The pieces of one batch run in any order 
 never overlap: the core validated the batch); batches are served in submission order.
 A batch is done when its last upload is enqueued and its last download has landed in
 host memory: its ``on_done`` runs then, on a worker (the transfer opens the caller's
-stream gate there, see :mod:`._transfer`), and the batch's tensors are let go once the
-device work enqueued after it has completed. Staging memory is bounded: at most
-``chunks`` chunks of ``chunk_bytes`` per device, whatever the number of copies in flight
-(more copies queue for chunks).
+stream gate there, see :mod:`._transfer`), and its host memory is let go; it is
+*released* once the device work enqueued up to then has completed. Staging memory is
+bounded: at most ``chunks`` chunks of ``chunk_bytes`` per device (rounded up to the pinned
+pool's size class), whatever the number of copies in flight (more copies queue for
+chunks, in submission order).
 
 ``chunks=0`` turns staging off: each pair is one ``cuMemcpyAsync`` of the pageable memory
 issued by a worker (the driver's own staging, synchronous for the worker): the baseline.
