@@ -282,8 +282,8 @@ class Stager:
         """Queue a batch of ``(kind, dst, src, nbytes)`` pairs whose prerequisites are done;
         ``keep``: the host memory's owners, kept alive until the workers are done with it
         (the device memory must be kept alive by the caller until the batch's device
-        work has completed). Never blocks. None if
-        the stager is closed (nothing was queued)."""
+        work has completed). Never blocks. None if the stager is closed (nothing was
+        queued)."""
         step = self.options.chunk_bytes if self._staged else None
         job = StagedJob(pairs, keep, on_done, step)
         with self._cond:
@@ -295,20 +295,6 @@ class Stager:
             self._start_workers()
             self._cond.notify_all()
         return job
-
-    def run(self, pairs: Sequence[tuple[int, int, int, int]], keep: Sequence[Any]) -> None:
-        """Stage a batch and wait until it has completed, device work included (for the
-        synchronous path, which runs on a worker thread of the core, never on the loop).
-
-        Raises:
-            DeviceError: the stager is closed, or the copy failed.
-        """
-        job = self.submit(pairs, keep)
-        if job is None:
-            raise DeviceError(f"CUDA device {self.device.ordinal}: the staging workers are closed")
-        job.released.wait()
-        if job.error is not None:
-            raise job.error
 
     def close(self) -> None:
         """Let the queued batches finish (bounded by :data:`CLOSE_TIMEOUT`), stop the workers,
@@ -435,6 +421,7 @@ class Stager:
                 if self._chunks or self._allocating:
                     # The pinned pool is at its limit: make do with the chunks there are.
                     self._cap = max(1, len(self._chunks) + self._allocating)
+                    self.pieces -= 1  # started again later
                     piece.job.back.appendleft(piece)
                     if not self._jobs or self._jobs[0] is not piece.job:
                         self._jobs.appendleft(piece.job)
