@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -8,6 +9,13 @@ import pytest
 from _factories import MakeEnv
 
 import aioep
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The strict CUDA emulator (tests/cuda_emulator) prints why it aborts, one MISUSE line, to
+    # stderr; pytest captures fd 2 during each test and an abort loses that capture, so give it
+    # a copy of the real stderr taken now, before capturing starts ("pid:fd": this process only).
+    os.environ["CUEMU_STDERR_FD"] = f"{os.getpid()}:{os.dup(2)}"
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -6,14 +6,19 @@ injection, the emulator's own statistics) run on the emulator only."""
 from __future__ import annotations
 
 import ctypes
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-from cuda_emulator import Emulator, select_driver
+from cuda_emulator import Emulator, child_env, select_driver
 
 drv = pytest.importorskip("cuda.bindings.driver")
 pytest.importorskip("aioep_cuda")
@@ -207,33 +212,46 @@ def test_pinned_memory_flags_and_pointer_attributes(cuda: Cuda) -> None:
     cuda.ok(drv.cuMemFree(d))
 
 
-def test_out_of_memory_and_double_free(cuda: Cuda) -> None:
+def test_out_of_memory(cuda: Cuda) -> None:
     free, total = cuda.ok(drv.cuMemGetInfo())
     assert 0 < free <= total
     assert drv.cuMemAlloc(total * 4)[0] == R.CUDA_ERROR_OUT_OF_MEMORY
     d = cuda.ok(drv.cuMemAlloc(1024))
     cuda.ok(drv.cuMemFree(d))
-    assert drv.cuMemFree(d)[0] == R.CUDA_ERROR_INVALID_VALUE
 
 
 # -- the emulator only ----------------------------------------------------------------------
 @emulator_only
-def test_bad_handles_and_freed_pointers_are_errors(cuda: Cuda) -> None:
+def test_stale_handles_are_recorded_misuses_when_not_aborting(cuda: Cuda) -> None:
+    """With ``abort_on_misuse`` 0 a stale handle or freed pointer fails the call and is
+    recorded as a violation naming the call; handle values are never reused, so a stale one
+    is caught however many objects were made since."""
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
     s = cuda.stream()
     ev = cuda.ok(drv.cuEventCreate(2))
     d = cuda.ok(drv.cuMemAlloc(64))
     cuda.ok(drv.cuEventDestroy(ev))
     cuda.ok(drv.cuStreamDestroy(s))
+    misuses = emu.get("misuses")
     assert drv.cuStreamQuery(s)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert "cuStreamQuery: stream" in str(emu.take_violation())
     assert drv.cuEventQuery(ev)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert "destroyed by cuEventDestroy" in str(emu.take_violation())
     assert drv.cuStreamDestroy(s)[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert emu.get("misuses") == misuses + 3
+    # a value that was never a handle is an ordinary error, not a misuse
     assert drv.cuStreamQuery(drv.CUstream(0x1234_5678))[0] == R.CUDA_ERROR_INVALID_HANDLE
+    assert emu.get("misuses") == misuses + 3
     cuda.ok(drv.cuMemFree(d))
     t = cuda.stream()
     host = np.zeros(64, dtype=np.uint8)
     assert drv.cuMemcpyAsync(host.ctypes.data, d, 64, t)[0] == R.CUDA_ERROR_INVALID_VALUE
-    assert int(t) == int(s)  # handle values are reused, as the driver reuses its pointers
+    assert "freed by cuMemFree" in str(emu.take_violation())
+    assert int(t) != int(s)  # never reused
     cuda.ok(drv.cuStreamDestroy(t))
+    emu.take_violation()
 
 
 @emulator_only
@@ -309,9 +327,498 @@ def test_functions_it_does_not_emulate_are_not_found(cuda: Cuda) -> None:
 def test_streams_and_host_functions_are_native_threads(cuda: Cuda) -> None:
     assert cuda.emulator is not None
     before = set(threading.enumerate())
-    live = cuda.emulator.get("threads_live")
+    created = cuda.emulator.get("streams_created")
     streams = [cuda.stream() for _ in range(4)]
-    assert cuda.emulator.get("threads_live") >= live + 4
+    # (threads of earlier tests' destroyed streams may still be ending: no delta of threads_live)
+    assert cuda.emulator.get("streams_created") == created + 4
+    assert cuda.emulator.get("threads_live") >= 4
     assert set(threading.enumerate()) == before  # not Python threads: they never take the GIL
     for s in streams:
         cuda.ok(drv.cuStreamDestroy(s))
+
+
+# -- the strict rules (README.md, "Strict rules") ----------------------------------------------
+# A misuse aborts the process: those scenarios run in a child process (ctypes on the emulator,
+# one device) and the test checks the abort and the one line that names the call.
+_PRELUDE = """
+import ctypes, threading, time
+L = ctypes.CDLL("libcuda.so.1")
+V, U, Z = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+L.cuemu_set.argtypes = [ctypes.c_char_p, ctypes.c_longlong]
+L.cuemu_get.argtypes = [ctypes.c_char_p]
+L.cuemu_get.restype = ctypes.c_longlong
+L.cuemu_mark_loop_thread.argtypes = [ctypes.c_long]
+
+def ok(rc, what):
+    assert rc == 0, f"{what} failed: {rc}"
+
+def emu_set(key, value):
+    assert L.cuemu_set(key.encode(), value) == 0, key
+
+def emu_get(key):
+    return L.cuemu_get(key.encode())
+
+def until(predicate, what):
+    deadline = time.monotonic() + 20
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+def retain():
+    ctx = V()
+    ok(L.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "retain")
+    ok(L.cuCtxPushCurrent_v2(ctx), "push")
+    return ctx
+
+def release():
+    ok(L.cuCtxPopCurrent_v2(None), "pop")
+    ok(L.cuDevicePrimaryCtxRelease_v2(0), "release")
+
+def stream():
+    s = V()
+    ok(L.cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")
+    return s
+
+def event():
+    e = V()
+    ok(L.cuEventCreate(ctypes.byref(e), 2), "cuEventCreate")
+    return e
+
+def dalloc(n):
+    p = U()
+    ok(L.cuMemAlloc_v2(ctypes.byref(p), Z(n)), "cuMemAlloc")
+    return p.value
+
+def halloc(n, flags=0):
+    p = V()
+    ok(L.cuMemHostAlloc(ctypes.byref(p), Z(n), flags), "cuMemHostAlloc")
+    return p.value
+
+def copy(dst, src, n, s):
+    return L.cuMemcpyAsync(U(dst), U(src), Z(n), s)
+
+def hold(s):
+    '''Hold stream s on the device until release_word(word): a wait on mapped pinned memory,
+    released by a plain host write (no driver call).'''
+    word = halloc(4, 3)
+    ctypes.memset(word, 0, 4)
+    ok(L.cuStreamWaitValue32_v2(s, U(word), 1, 0), "cuStreamWaitValue32")
+    return word
+
+def release_word(word):
+    ctypes.c_uint32.from_address(word).value = 1
+
+ok(L.cuInit(0), "cuInit")
+"""
+
+
+def _child(body: str) -> subprocess.CompletedProcess[str]:
+    assert DRIVER.emulator is not None
+    env = child_env(DRIVER.emulator.path)
+    env["CUEMU_HOST_WAIT_LIMIT_S"] = "20"
+    return subprocess.run(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(body) + "\nprint('SURVIVED')\n"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _assert_aborts(body: str, *fragments: str) -> str:
+    """Run ``body`` in a child: it must abort with one MISUSE line containing ``fragments``."""
+    done = _child(body)
+    said = done.stdout + done.stderr
+    assert done.returncode == -signal.SIGABRT, f"exit {done.returncode}:\n{said}"
+    assert "SURVIVED" not in done.stdout
+    lines = [line for line in done.stderr.splitlines() if "MISUSE" in line]
+    assert len(lines) == 1, said
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def _assert_survives(body: str) -> None:
+    done = _child(body)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SURVIVED" in done.stdout, done.stdout + done.stderr
+
+
+# Rule 3: a handle or pointer used after it, or its context, was destroyed aborts.
+_USE_AFTER_DESTROY = {
+    "event": (
+        """
+        retain(); s = stream(); ev = event()
+        ok(L.cuEventDestroy_v2(ev), "cuEventDestroy")
+        L.cuEventRecord(ev, s)
+        """,
+        ("cuEventRecord: event", "destroyed by cuEventDestroy"),
+    ),
+    "event of a released context, retained again": (  # the crash seen on a real GPU
+        """
+        old = retain(); ev = event()
+        release()
+        new = retain()
+        assert new.value != old.value  # a new context: new identity
+        s = stream(); ok(L.cuEventRecord(event(), s), "a new event works")
+        L.cuEventDestroy_v2(ev)  # e.g. from a garbage collection in the next test
+        """,
+        (
+            "cuEventDestroy: event",
+            "its context was destroyed by the last cuDevicePrimaryCtxRelease",
+        ),
+    ),
+    "stream": (
+        """
+        retain(); s = stream()
+        ok(L.cuStreamDestroy_v2(s), "cuStreamDestroy")
+        for _ in range(100): stream()  # handle values are never reused
+        L.cuStreamQuery(s)
+        """,
+        ("cuStreamQuery: stream", "destroyed by cuStreamDestroy"),
+    ),
+    "stream of a released context": (
+        """
+        retain(); s = stream(); release(); retain()
+        L.cuLaunchHostFunc(s, ctypes.cast(L.cuemu_identity, V), None)
+        """,
+        ("cuLaunchHostFunc: stream", "its context was destroyed"),
+    ),
+    "context": (
+        """
+        old = retain(); release(); retain()
+        L.cuCtxPushCurrent_v2(old)
+        """,
+        ("cuCtxPushCurrent: context", "destroyed by the last cuDevicePrimaryCtxRelease"),
+    ),
+    "device memory": (
+        """
+        retain(); s = stream(); d = dalloc(4096); h = halloc(4096)
+        ok(L.cuMemFree_v2(U(d)), "cuMemFree")
+        copy(d, h, 4096, s)
+        """,
+        ("cuMemcpyAsync: device pointer", "freed by cuMemFree"),
+    ),
+    "device memory freed twice": (
+        """
+        retain(); d = dalloc(4096)
+        ok(L.cuMemFree_v2(U(d)), "cuMemFree")
+        L.cuMemFree_v2(U(d))
+        """,
+        ("cuMemFree: device pointer", "freed by cuMemFree"),
+    ),
+    "stream-ordered free twice": (
+        """
+        retain(); s = stream(); word = hold(s); d = dalloc(4096)
+        ok(L.cuMemFreeAsync(U(d), s), "cuMemFreeAsync")
+        L.cuMemFreeAsync(U(d), s)
+        """,
+        ("cuMemFreeAsync: device pointer", "freed twice"),
+    ),
+    "pinned memory": (
+        """
+        retain(); s = stream(); d = dalloc(4096); h = halloc(4096)
+        ok(L.cuMemFreeHost(V(h)), "cuMemFreeHost")
+        copy(d, h, 4096, s)
+        """,
+        ("cuMemcpyAsync: pinned host pointer", "freed by cuMemFreeHost"),
+    ),
+    "pinned memory of a released context": (
+        """
+        retain(); h = halloc(4096); release(); retain(); s = stream(); d = dalloc(4096)
+        copy(d, h, 4096, s)
+        """,
+        ("cuMemcpyAsync: pinned host pointer", "its context was destroyed"),
+    ),
+}
+
+
+@emulator_only
+@pytest.mark.parametrize("case", list(_USE_AFTER_DESTROY))
+def test_use_after_destroy_aborts_naming_the_call(case: str) -> None:
+    body, fragments = _USE_AFTER_DESTROY[case]
+    _assert_aborts(body, *fragments)
+
+
+@emulator_only
+def test_a_destroyed_current_context_is_an_error_not_an_abort() -> None:
+    # CUDA documents CUDA_ERROR_CONTEXT_IS_DESTROYED (709) for a current context destroyed.
+    _assert_survives(
+        """
+        retain(); ok(L.cuDevicePrimaryCtxRelease_v2(0), "release")
+        s = V(); assert L.cuStreamCreate(ctypes.byref(s), 1) == 709
+        """
+    )
+
+
+# Rule 4: host functions must not call the driver.
+@emulator_only
+def test_a_host_function_that_calls_the_driver_aborts() -> None:
+    _assert_aborts(
+        """
+        retain(); s = stream(); ev = event()
+        HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        cb = HOSTFN(lambda _: L.cuEventQuery(ev))
+        ok(L.cuLaunchHostFunc(s, cb, None), "cuLaunchHostFunc")
+        L.cuStreamSynchronize(s)
+        """,
+        "cuEventQuery called from a host function",
+    )
+
+
+@emulator_only
+def test_a_host_function_calling_the_driver_is_a_recorded_misuse_when_not_aborting(
+    cuda: Cuda,
+) -> None:
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
+    lib = emu.lib
+    s = cuda.stream()
+    seen: list[int] = []
+    hostfn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(
+        lambda _: seen.append(lib.cuStreamQuery(ctypes.c_void_p(int(s))))
+    )
+    assert lib.cuLaunchHostFunc(ctypes.c_void_p(int(s)), hostfn, None) == 0
+    assert lib.cuStreamSynchronize(ctypes.c_void_p(int(s))) == 0  # ctypes: the GIL is let go
+    assert seen == [800]  # CUDA_ERROR_NOT_PERMITTED
+    violation = emu.take_violation()
+    assert violation is not None
+    assert "cuStreamQuery called from a host function" in violation
+    cuda.ok(drv.cuStreamDestroy(s))
+
+
+# Rule 1: a context-synchronising call holds the context; other threads' calls wait.
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _mapped_hold(cuda: Cuda, stream: Any) -> tuple[Any, ctypes.c_uint32]:
+    """Hold ``stream`` on a mapped pinned word that a plain host write releases (a driver call
+    could itself wait behind a synchronising call)."""
+    word = cuda.ok(drv.cuMemHostAlloc(4, 3))
+    flag = ctypes.c_uint32.from_address(int(word))
+    flag.value = 0
+    cuda.ok(drv.cuStreamWaitValue32(stream, word, 1, GEQ))
+    return word, flag
+
+
+@emulator_only
+@pytest.mark.parametrize("sync_call", ["cuMemFreeHost", "cuMemFree", "cuCtxSynchronize"])
+def test_a_synchronising_call_holds_the_context_until_every_stream_is_idle(
+    cuda: Cuda, sync_call: str
+) -> None:
+    assert cuda.emulator is not None
+    emu, lib = cuda.emulator, cuda.emulator.lib
+    held = cuda.stream()
+    word, flag = _mapped_hold(cuda, held)
+    victim_host = cuda.ok(drv.cuMemHostAlloc(4096, 0))
+    victim_dev = cuda.ok(drv.cuMemAlloc(4096))
+    pinned_before, device_before = emu.get("pinned_used"), emu.get("device_used")
+    results: dict[str, Any] = {}
+
+    def synchronise() -> None:
+        with ctx_current(cuda.ctx):
+            if sync_call == "cuMemFreeHost":
+                results["sync"] = lib.cuMemFreeHost(ctypes.c_void_p(int(victim_host)))
+            elif sync_call == "cuMemFree":
+                results["sync"] = lib.cuMemFree_v2(ctypes.c_uint64(int(victim_dev)))
+            else:
+                results["sync"] = lib.cuCtxSynchronize()
+
+    def create_a_stream() -> None:
+        out = ctypes.c_void_p()
+        with ctx_current(cuda.ctx):
+            results["create"] = lib.cuStreamCreate(ctypes.byref(out), 1)
+        # what the synchronising call did is visible once this call got through
+        results["used"] = (emu.get("pinned_used"), emu.get("device_used"))
+        results["stream"] = out.value
+
+    calls, waits = emu.get("sync_calls"), emu.get("sync_waits")
+    first = threading.Thread(target=synchronise)
+    first.start()
+    _until(lambda: emu.get("sync_calls") > calls and emu.get("host_waiting") >= 1, "the sync")
+    second = threading.Thread(target=create_a_stream)
+    second.start()
+    _until(lambda: emu.get("sync_waiting") == 1, "cuStreamCreate to queue behind it")
+    assert first.is_alive()
+    assert second.is_alive()
+    assert "create" not in results
+    flag.value = 1  # the held stream runs: the synchronising call ends, then cuStreamCreate
+    first.join(30)
+    second.join(30)
+    assert results["sync"] == 0
+    assert results["create"] == 0
+    assert emu.get("sync_waits") == waits + 1
+    expected = {
+        "cuMemFreeHost": (pinned_before - 4096, device_before),
+        "cuMemFree": (pinned_before, device_before - 4096),
+        "cuCtxSynchronize": (pinned_before, device_before),
+    }[sync_call]
+    assert results["used"] == expected
+    cuda.ok(drv.cuStreamDestroy(drv.CUstream(results["stream"])))
+    cuda.ok(drv.cuStreamDestroy(held))
+    if sync_call != "cuMemFreeHost":
+        cuda.ok(drv.cuMemFreeHost(victim_host))
+    if sync_call != "cuMemFree":
+        cuda.ok(drv.cuMemFree(victim_dev))
+    cuda.ok(drv.cuMemFreeHost(word))
+
+
+# Rule 2: a pageable copy larger than the staging limit waits for its stream.
+@emulator_only
+def test_a_large_pageable_copy_waits_for_its_stream_a_small_one_is_staged(cuda: Cuda) -> None:
+    assert cuda.emulator is not None
+    emu, lib = cuda.emulator, cuda.emulator.lib
+    emu.set("pageable_staging_limit", 64 << 10)
+    s = cuda.stream()
+    dev = cuda.ok(drv.cuMemAlloc(1 << 20))
+    word, flag = _mapped_hold(cuda, s)
+    small = np.arange(16 << 10, dtype=np.uint8)
+    big = np.random.default_rng(5).integers(0, 256, size=1 << 20, dtype=np.uint8)
+    cuda.ok(drv.cuMemcpyAsync(dev, small.ctypes.data, small.nbytes, s))  # staged: at once
+    assert drv.cuStreamQuery(s)[0] == R.CUDA_ERROR_NOT_READY
+    result: list[int] = []
+
+    def copy_big() -> None:
+        with ctx_current(cuda.ctx):
+            result.append(
+                lib.cuMemcpyAsync(
+                    ctypes.c_uint64(int(dev)),
+                    ctypes.c_uint64(big.ctypes.data),
+                    ctypes.c_size_t(big.nbytes),
+                    ctypes.c_void_p(int(s)),
+                )
+            )
+
+    waiting = emu.get("host_waiting")
+    thread = threading.Thread(target=copy_big)
+    thread.start()
+    _until(lambda: emu.get("host_waiting") == waiting + 1, "the large copy to wait")
+    assert thread.is_alive()
+    assert not result
+    flag.value = 1
+    thread.join(30)
+    assert result == [0]
+    assert drv.cuStreamQuery(s)[0] == R.CUDA_SUCCESS  # it returned once the stream did it
+    back = np.zeros_like(big)
+    cuda.ok(drv.cuMemcpyAsync(back.ctypes.data, dev, back.nbytes, s))
+    np.testing.assert_array_equal(back, big)
+    cuda.ok(drv.cuMemFree(dev))
+    cuda.ok(drv.cuMemFreeHost(word))
+    cuda.ok(drv.cuStreamDestroy(s))
+
+
+# Rule 5: a marked event-loop thread must never wait in the driver.
+_LOOP_WAITS = {
+    "cuStreamSynchronize": "L.cuStreamSynchronize(s)",  # even on an idle stream: structural
+    "cuEventSynchronize": "ok(L.cuEventRecord(ev, s), 'record'); L.cuEventSynchronize(ev)",
+    "cuCtxSynchronize": "L.cuCtxSynchronize()",
+    "cuMemFree": "L.cuMemFree_v2(U(d))",
+    "cuMemFreeHost": "L.cuMemFreeHost(V(h))",
+    "cuMemcpyAsync": "copy(d, big_addr, 8 << 20, s)",  # pageable, above the 4 MiB staging
+    "cuMemcpyDtoH": "L.cuMemcpyDtoH_v2(V(h), U(d), Z(4096))",
+    "cuDevicePrimaryCtxRelease": "ok(L.cuCtxPopCurrent_v2(None), 'pop'); L.cuDevicePrimaryCtxRelease_v2(0)",
+}
+
+
+@emulator_only
+@pytest.mark.parametrize("call", list(_LOOP_WAITS))
+def test_a_marked_loop_thread_that_waits_for_the_device_aborts(call: str) -> None:
+    _assert_aborts(
+        """
+        retain(); s = stream(); ev = event(); d = dalloc(8 << 20); h = halloc(4096)
+        big = ctypes.create_string_buffer(8 << 20); big_addr = ctypes.addressof(big)
+        assert L.cuemu_mark_loop_thread(0) == 0
+        """
+        + _LOOP_WAITS[call],
+        f"{call} called on the marked event-loop thread",
+        "waits for the device",
+    )
+
+
+@emulator_only
+def test_a_marked_loop_thread_behind_another_threads_synchronising_call_aborts() -> None:
+    _assert_aborts(
+        """
+        emu_set("strict_loop_sync", 0)  # the free itself is allowed here: see the next test
+        retain(); ctx = V(); ok(L.cuCtxGetCurrent(ctypes.byref(ctx)), "current")
+        s = stream(); other = stream(); ev = event(); victim = halloc(4096); word = hold(s)
+        def free():
+            ok(L.cuCtxPushCurrent_v2(ctx), "push")
+            L.cuMemFreeHost(V(victim))
+        threading.Thread(target=free, daemon=True).start()
+        until(lambda: emu_get("sync_calls") == 1 and emu_get("host_waiting") == 1, "the free")
+        assert L.cuemu_mark_loop_thread(0) == 0
+        L.cuEventRecord(ev, other)  # the loop's next call: behind the free
+        """,
+        "cuEventRecord called on the marked event-loop thread",
+        "waits behind cuMemFreeHost",
+    )
+
+
+@emulator_only
+def test_a_synchronising_call_with_work_in_flight_while_a_loop_is_marked_aborts() -> None:
+    # Deterministic: the hazard is caught whether or not the loop calls in the window.
+    _assert_aborts(
+        """
+        retain(); s = stream(); victim = halloc(4096); word = hold(s)
+        assert L.cuemu_mark_loop_thread(0) == 0
+        def free():
+            retain()
+            L.cuMemFreeHost(V(victim))
+        t = threading.Thread(target=free); t.start(); t.join()
+        """,
+        "cuMemFreeHost on thread",
+        "while work is in flight and an event-loop thread is marked",
+    )
+
+
+@emulator_only
+def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
+    """Calls that only enqueue, record or look are fine on the loop (none is a misuse), and an
+    unmarked thread may wait; with ``abort_on_misuse`` 0 a waiting call is recorded."""
+    from aioep_cuda._wake import Semaphore
+
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
+    emu.set("watch_tid", threading.get_native_id())
+    misuses = emu.get("misuses")
+    watched = emu.get("watched_blocking")
+    with emu.loop_thread():
+        s, t = cuda.stream(), cuda.stream()
+        ev = cuda.ok(drv.cuEventCreate(2))
+        pinned = cuda.ok(drv.cuMemHostAlloc(4096, 0))
+        dev = cuda.ok(drv.cuMemAllocAsync(4096, s))
+        small = np.ones(4096, dtype=np.uint8)
+        cuda.ok(drv.cuMemcpyAsync(dev, small.ctypes.data, 4096, s))  # staged
+        cuda.ok(drv.cuMemcpyAsync(dev, pinned, 4096, s))
+        cuda.ok(drv.cuMemcpyAsync(pinned, dev, 4096, s))
+        cuda.ok(drv.cuMemsetD32(dev, 7, 16))  # device memory: asynchronous
+        cuda.ok(drv.cuMemsetD32Async(dev, 7, 16, s))
+        cuda.ok(drv.cuEventRecord(ev, s))
+        cuda.ok(drv.cuStreamWaitEvent(t, ev, 0))
+        assert drv.cuEventQuery(ev)[0] in (R.CUDA_SUCCESS, R.CUDA_ERROR_NOT_READY)
+        assert drv.cuStreamQuery(s)[0] in (R.CUDA_SUCCESS, R.CUDA_ERROR_NOT_READY)
+        sem = Semaphore()
+        assert launch_host_func(int(s), Semaphore.post_address, sem.address) == 0
+        cuda.ok(drv.cuMemFreeAsync(dev, s))
+        assert (emu.get("misuses"), emu.get("watched_blocking")) == (misuses, watched)
+        cuda.ok(drv.cuStreamSynchronize(s))  # a wait: recorded, not aborted
+        assert (emu.get("misuses"), emu.get("watched_blocking")) == (misuses + 1, watched + 1)
+        violation = emu.take_violation()
+        assert violation is not None
+        assert "cuStreamSynchronize called on the marked" in violation
+    assert emu.get("loop_threads") == 0
+    cuda.ok(drv.cuStreamSynchronize(t))  # unmarked: waiting is fine
+    assert emu.get("misuses") == misuses + 1
+    assert sem.value == 1
+    cuda.ok(drv.cuEventDestroy(ev))
+    cuda.ok(drv.cuMemFreeHost(pinned))
+    for x in (s, t):
+        cuda.ok(drv.cuStreamDestroy(x))

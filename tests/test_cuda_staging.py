@@ -681,3 +681,28 @@ async def anyio_to_thread(fn: Callable[..., _T], *args: Any) -> _T:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_no_staging_stream_fails_the_copy_not_the_stream() -> None:
+    """The stager cannot make its streams (``cuStreamCreate`` fails once): the staged copy's
+    future fails with a DeviceError naming the call, its gate is opened anyway (the stream
+    goes on), and the next copy stages normally."""
+    import anyio
+
+    assert DRIVER.emulator is not None
+    data = np.arange(3 * CHUNK, dtype=np.uint8)
+    out = np.zeros_like(data)
+    async with staged_env() as (env, gpu), env.create_sync_stream(gpu) as stream:
+        dev = env.empty(data.shape, data.dtype, _mem(gpu), stream=stream)
+        await stream
+        DRIVER.emulator.fail_call("cuStreamCreate", times=1)
+        with anyio.fail_after(20):
+            with pytest.raises(aioep.DeviceError, match="cuStreamCreate"):
+                await env.copy_tensors([data], [dev], stream=stream)
+            await env.copy_tensors([data], [dev], stream=stream)
+            await env.copy_tensors([dev], [out], stream=stream)
+        del dev
+    np.testing.assert_array_equal(out, data)

@@ -146,10 +146,15 @@ class Emulator:
         lib.cuemu_reset.restype = None
         lib.cuemu_identity.restype = ctypes.c_char_p
         lib.cuemu_reset_contexts.restype = ctypes.c_int
+        lib.cuemu_mark_loop_thread.argtypes = [ctypes.c_long]
+        lib.cuemu_mark_loop_thread.restype = ctypes.c_int
+        lib.cuemu_unmark_loop_thread.argtypes = [ctypes.c_long]
+        lib.cuemu_unmark_loop_thread.restype = ctypes.c_int
 
     def set(self, key: str, value: int) -> None:
         """Set a configuration value (``devices``, ``memory_limit``, ``bandwidth`` in bytes/s,
-        ``latency_ns``, ``stream_mem_ops``, ``watch_tid``, ``lose_after_copies`` ...)."""
+        ``latency_ns``, ``stream_mem_ops``, ``watch_tid``, ``lose_after_copies``,
+        ``pageable_staging_limit``, ``abort_on_misuse``, ``strict_loop_sync`` ...)."""
         rc = self.lib.cuemu_set(key.encode(), int(value))
         if rc == -2:
             raise RuntimeError(f"emulator: cannot set {key}={value}: a context is retained")
@@ -159,7 +164,8 @@ class Emulator:
     def get(self, key: str) -> int:
         """A configuration value or a statistic (``copies``, ``violations``, ``hostfns``,
         ``pageable_copies``, ``watched_pageable``, ``watched_blocking``, ``device_used``,
-        ``live_allocs``, ``retained_contexts``, ``threads_live`` ...)."""
+        ``live_allocs``, ``retained_contexts``, ``threads_live``, ``misuses``, ``sync_calls``,
+        ``sync_waits``, ``sync_waiting``, ``host_waiting``, ``loop_threads`` ...)."""
         value = int(self.lib.cuemu_get(key.encode()))
         if value == -1 and key not in ("lose_after_copies",):
             raise KeyError(f"emulator: unknown key {key!r}")
@@ -181,8 +187,31 @@ class Emulator:
         return f"{count} violation(s); last: {message}" if count else None
 
     def reset(self) -> None:
-        """Restore the configuration (the device count stays) and clear faults."""
+        """Restore the configuration (the device count stays), clear faults and unmark every
+        event-loop thread."""
         self.lib.cuemu_reset()
+
+    def mark_loop_thread(self, tid: int | None = None) -> None:
+        """Mark thread ``tid`` (a native id; default: this thread) as an event loop: any driver
+        call from it that has to wait, for the device or behind another thread's
+        context-synchronising call, aborts the process naming the call (see README.md)."""
+        if self.lib.cuemu_mark_loop_thread(threading.get_native_id() if tid is None else tid):
+            raise RuntimeError("emulator: too many event-loop threads marked")
+
+    def unmark_loop_thread(self, tid: int | None = None) -> bool:
+        """Undo :meth:`mark_loop_thread`; whether the thread was marked."""
+        tid = threading.get_native_id() if tid is None else tid
+        return bool(self.lib.cuemu_unmark_loop_thread(tid))
+
+    @contextlib.contextmanager
+    def loop_thread(self, tid: int | None = None) -> Iterator[None]:
+        """Mark ``tid`` (default: this thread) as an event loop inside the block."""
+        tid = threading.get_native_id() if tid is None else tid
+        self.mark_loop_thread(tid)
+        try:
+            yield
+        finally:
+            self.unmark_loop_thread(tid)
 
     def reset_contexts(self) -> int:
         """Destroy every primary context, retained or not (what a leaked environment left);

@@ -3,7 +3,24 @@
  *
  * It is not a GPU and not a product target: the real NVIDIA driver is. It exists so that
  * the CUDA backend (backends/cuda) runs its GPU tests on every CI machine, with real
- * asynchrony, and fails them for the reasons a GPU would:
+ * asynchrony, and fails them for the reasons a GPU would. It is STRICT where the real
+ * driver crashes, hangs or blocks (README.md, "Strict rules"; each rule is implemented where
+ * its comment says "rule N"):
+ *
+ *   1. cuMemFree / cuMemFreeHost / cuMemHostUnregister / cuCtxSynchronize / the last
+ *      cuDevicePrimaryCtxRelease wait until every stream of the context is idle and hold the
+ *      context meanwhile: other threads' calls on it wait behind them (sync_begin);
+ *   2. a pageable cuMemcpyAsync larger than pageable_staging_limit (4 MiB) returns only once
+ *      its stream has done it; smaller ones are staged (copy_on);
+ *   3. a handle (context, stream, event, device or pinned memory) used after it or its
+ *      context was destroyed aborts: handle values are never reused and freed memory stays
+ *      a tombstone (handle_use, check_ptr);
+ *   4. a driver call from a host function aborts (hostfn_calls);
+ *   5. a thread marked as an event loop (cuemu_mark_loop_thread) that would wait in the
+ *      driver aborts, by the kind of call, never by timing (loop_waits, wait_behind_sync).
+ *   A misuse prints one line naming the call and aborts (abort_on_misuse = 0: a violation).
+ *
+ * What it emulates:
  *
  *   - every stream is a native worker thread that runs its queue strictly in order;
  *   - events record a point in a stream; query / synchronize / elapsed time; a
@@ -16,9 +33,9 @@
  *     accident and work that touches freed memory faults (a sticky
  *     CUDA_ERROR_ILLEGAL_ADDRESS, counted as a violation);
  *   - pinned memory (cuMemHostAlloc, cuMemHostRegister, with their flags) and pageable
- *     memory: a pageable host-to-device copy stages the source on the calling thread, a
- *     pageable device-to-host copy blocks the caller until the stream has done it;
- *   - cuMemFree / cuMemFreeHost synchronize the device, like the real calls;
+ *     memory: a small pageable host-to-device copy stages the source on the calling thread,
+ *     a large one and a pageable device-to-host copy block the caller until the stream has
+ *     done it;
  *   - error codes for bad handles, freed pointers and out-of-memory, a configurable memory
  *     limit, a bandwidth and latency model, and fault injection.
  *
@@ -109,13 +126,18 @@ static struct {
     long long lose_after_copies; /* -1: never */
     long long unmap_pinned_on_reset;
     long long host_wait_limit_ns; /* a host wait longer than this fails (a test hangs no more) */
+    long long pageable_staging_limit; /* larger pageable H2D copies wait for their stream */
+    long long abort_on_misuse;        /* 1: a misuse aborts the process; 0: a violation */
+    long long strict_loop_sync;       /* a synchronising call with work in flight while a loop
+                                         thread is marked is a misuse */
 } cfg;
 
 static struct {
     long long copies, bytes_copied, violations, hostfns, pageable_copies, watched_pageable,
         watched_blocking, watched_blocking_ns, streams_created, streams_live, threads_live,
         events_created, device_allocs, pinned_allocs, abandoned_ops, sticky_errors, wait_values,
-        write_values, max_queue;
+        write_values, max_queue, misuses, sync_calls, sync_waits, sync_waiting, host_waiting,
+        loop_threads;
 } st;
 
 static char g_violation[512];
@@ -147,6 +169,9 @@ static void set_defaults(void) {
     cfg.lose_after_copies = -1;
     cfg.unmap_pinned_on_reset = 1;
     cfg.host_wait_limit_ns = env_ll("CUEMU_HOST_WAIT_LIMIT_S", 60) * 1000000000LL;
+    cfg.pageable_staging_limit = env_ll("CUEMU_PAGEABLE_STAGING_LIMIT", 4LL << 20);
+    cfg.abort_on_misuse = env_ll("CUEMU_ABORT_ON_MISUSE", 1);
+    cfg.strict_loop_sync = env_ll("CUEMU_STRICT_LOOP_SYNC", 1);
 }
 
 __attribute__((constructor)) static void emulator_init(void) {
@@ -189,6 +214,74 @@ static void violation(const char *fmt, ...) {
 
 static long my_tid(void) { return (long)syscall(SYS_gettid); }
 
+/* -- misuse: what the real driver answers with undefined behaviour, a crash or a hang ---- */
+/* A misuse (a handle used after it or its context was destroyed, a driver call from a host
+ * function, a marked event-loop thread about to wait in the driver) prints one line naming
+ * the call to stderr and aborts the process (the default: the real driver crashes or hangs
+ * there, so a test must not go on), or, with abort_on_misuse = 0, is recorded as a violation
+ * and the call fails (or, for the loop rules, goes on). */
+static void misuse(const char *fmt, ...) {
+    char msg[sizeof g_violation];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    st.misuses++;
+    if (cfg.abort_on_misuse) {
+        char line[sizeof msg + 64];
+        int n = snprintf(line, sizeof line, "aioep CUDA emulator: MISUSE: %s\n", msg);
+        if (n > (int)sizeof line - 1)
+            n = (int)sizeof line - 1;
+        if (write(2, line, (size_t)n) < 0) {
+        }
+        /* pytest captures fd 2 during a test (and an abort loses the capture): a copy of the
+         * real stderr taken before, named "pid:fd" (tests/conftest.py), gets the line too */
+        const char *copy = getenv("CUEMU_STDERR_FD");
+        long pid = 0, fd = -1;
+        if (copy && sscanf(copy, "%ld:%ld", &pid, &fd) == 2 && pid == (long)getpid() && fd > 2)
+            if (write((int)fd, line, (size_t)n) < 0) {
+            }
+        abort();
+    }
+    violation("MISUSE: %s", msg);
+}
+
+/* Threads marked as an event loop (cuemu_mark_loop_thread): they must never wait in the driver. */
+#define MAX_LOOP_THREADS 16
+static long g_loop_tids[MAX_LOOP_THREADS];
+
+static int is_loop_thread(long tid) {
+    for (int i = 0; i < MAX_LOOP_THREADS; i++)
+        if (g_loop_tids[i] == tid)
+            return 1;
+    return 0;
+}
+
+/* Rule 5: a call from a marked event-loop thread that has to wait for the device (lock held). */
+static void loop_waits(const char *call, const char *why) {
+    long me = my_tid();
+    if (cfg.watch_tid && me == cfg.watch_tid)
+        st.watched_blocking++; /* the watched thread made a call that waits (or would) */
+    if (st.loop_threads && is_loop_thread(me))
+        misuse("%s called on the marked event-loop thread (tid %ld) waits for the device: %s",
+               call, me, why);
+}
+
+/* Rule 4: the thread that runs host functions must not call the driver. */
+static __thread int tls_hostfn;
+#define CUDA_ERROR_NOT_PERMITTED_ 800
+
+static int hostfn_calls(const char *call) {
+    if (!tls_hostfn)
+        return 0;
+    pthread_mutex_lock(&g_mu);
+    misuse("%s called from a host function (cuLaunchHostFunc): host functions must not call "
+           "the CUDA driver (the real driver deadlocks or fails)",
+           call);
+    pthread_mutex_unlock(&g_mu);
+    return 1;
+}
+
 /* -- fault injection -------------------------------------------------------------------- */
 typedef struct {
     char name[64];
@@ -223,6 +316,8 @@ static CUresult inject(const char *name) {
 
 #define ENTER(name)                                                                           \
     do {                                                                                      \
+        if (hostfn_calls(name))                                                               \
+            return CUDA_ERROR_NOT_PERMITTED_;                                                 \
         if (!g_initialized)                                                                   \
             return CUDA_ERROR_NOT_INITIALIZED;                                                \
         CUresult inj_ = inject(name);                                                         \
@@ -231,55 +326,66 @@ static CUresult inject(const char *name) {
     } while (0)
 
 /* -- handles ---------------------------------------------------------------------------- */
-/* A handle is a non-canonical address (bit 62 set): never dereferenceable. Slots are reused
- * (last freed, first reused) as the real driver reuses its pointers, so code that keys
- * anything by a handle value after destroying it meets a new object under the same value. */
+/* A handle is a non-canonical address (bit 62 set): never dereferenceable. Handle values are
+ * NEVER reused (the real driver does reuse its pointers, which is exactly why a stale handle
+ * there may name a new object or crash): a destroyed handle stays a tombstone that says why
+ * it died, so any later use of it is caught (rule 3) however many objects were made since. */
 enum { K_FREE = 0, K_CTX = 1, K_STREAM = 2, K_EVENT = 3, K_POOL = 4 };
+static const char *const k_names[] = {"?", "context", "stream", "event", "memory pool"};
 typedef struct {
     int kind;
+    int dead;
+    const char *why; /* a static string: how it died */
     void *obj;
 } slot_t;
 static slot_t *g_slots;
 static uint32_t g_nslots, g_cap;
-static uint32_t *g_free;
-static uint32_t g_nfree, g_free_cap;
 
 static uint64_t handle_new(int kind, void *obj) {
-    uint32_t s;
-    if (g_nfree) {
-        s = g_free[--g_nfree];
-    } else {
-        if (g_nslots == g_cap) {
-            g_cap = g_cap ? g_cap * 2 : 256;
-            g_slots = realloc(g_slots, g_cap * sizeof *g_slots);
-        }
-        s = g_nslots++;
+    if (g_nslots == g_cap) {
+        g_cap = g_cap ? g_cap * 2 : 256;
+        g_slots = realloc(g_slots, g_cap * sizeof *g_slots);
     }
+    uint32_t s = g_nslots++;
     g_slots[s].kind = kind;
+    g_slots[s].dead = 0;
+    g_slots[s].why = NULL;
     g_slots[s].obj = obj;
     return (1ULL << 62) | ((uint64_t)kind << 48) | ((uint64_t)(s + 1) << 4);
 }
 
-static void *handle_get(uint64_t h, int kind) {
+static slot_t *handle_slot(uint64_t h, int kind) {
     if ((h >> 62) != 1 || ((h >> 48) & 0x3FFF) != (uint64_t)kind || (h & 0xF))
         return NULL;
     uint64_t s = ((h >> 4) & 0xFFFFFFFFULL) - 1;
     if (s >= g_nslots || g_slots[s].kind != kind)
         return NULL;
-    return g_slots[s].obj;
+    return &g_slots[s];
 }
 
-static void handle_free(uint64_t h) {
-    uint64_t s = ((h >> 4) & 0xFFFFFFFFULL) - 1;
-    if (s >= g_nslots)
-        return;
-    g_slots[s].kind = K_FREE;
-    g_slots[s].obj = NULL;
-    if (g_nfree == g_free_cap) {
-        g_free_cap = g_free_cap ? g_free_cap * 2 : 256;
-        g_free = realloc(g_free, g_free_cap * sizeof *g_free);
+/* The live object a handle names, or NULL: never issued (garbage), or dead. A dead one is a
+ * misuse naming `call` (rule 3); `call` NULL: just look (internal). (lock held) */
+static void *handle_use(const char *call, uint64_t h, int kind) {
+    slot_t *sl = handle_slot(h, kind);
+    if (!sl)
+        return NULL;
+    if (sl->dead) {
+        if (call)
+            misuse("%s: %s %#llx used after it was destroyed (%s)", call, k_names[kind],
+                   (unsigned long long)h, sl->why);
+        return NULL;
     }
-    g_free[g_nfree++] = (uint32_t)s;
+    return sl->obj;
+}
+
+static void *handle_get(uint64_t h, int kind) { return handle_use(NULL, h, kind); }
+
+static void handle_kill(uint64_t h, const char *why) {
+    uint64_t s = ((h >> 4) & 0xFFFFFFFFULL) - 1;
+    if (!h || s >= g_nslots || g_slots[s].dead)
+        return;
+    g_slots[s].dead = 1;
+    g_slots[s].why = why;
 }
 
 /* -- objects ---------------------------------------------------------------------------- */
@@ -357,6 +463,8 @@ typedef struct ctx {
     pthread_cond_t cb_cv;
     int cb_thread, cb_stop;
     unsigned peer_mask;
+    long sync_owner;       /* rule 1: the thread inside a context-synchronising call (0: none) */
+    const char *sync_call; /* and which call */
 } ctx_t;
 
 typedef struct {
@@ -393,26 +501,88 @@ typedef struct alloc {
     ctx_t *ctx;
     int busy;
     int freed;
+    int free_enqueued; /* cuMemFreeAsync called: a second free is a misuse */
     struct alloc *next;
 } alloc_t;
 static alloc_t *g_allocs;
 
-static __thread ctx_t *tls_stack[64];
+/* Freed device and pinned memory stays a tombstone: device addresses are never reused, and
+ * freed pinned memory stays reserved (PROT_NONE), so a freed pointer can never name new
+ * memory and every later use of it is caught (rule 3). Sorted by address, disjoint. */
+typedef struct {
+    uint64_t addr, end;
+    const char *why;
+} tomb_t;
+static tomb_t *g_tombs;
+static size_t g_ntombs, g_tomb_cap;
+
+static void tomb_add(uint64_t addr, size_t size, const char *why) {
+    if (g_ntombs == g_tomb_cap) {
+        g_tomb_cap = g_tomb_cap ? g_tomb_cap * 2 : 256;
+        g_tombs = realloc(g_tombs, g_tomb_cap * sizeof *g_tombs);
+    }
+    size_t lo = 0, hi = g_ntombs;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (g_tombs[mid].addr < addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    memmove(&g_tombs[lo + 1], &g_tombs[lo], (g_ntombs - lo) * sizeof *g_tombs);
+    g_tombs[lo].addr = addr;
+    g_tombs[lo].end = addr + size;
+    g_tombs[lo].why = why;
+    g_ntombs++;
+}
+
+static const tomb_t *tomb_find(uint64_t p) {
+    size_t lo = 0, hi = g_ntombs;
+    while (lo < hi) { /* the first tomb that starts after p */
+        size_t mid = (lo + hi) / 2;
+        if (g_tombs[mid].addr <= p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo && p < g_tombs[lo - 1].end)
+        return &g_tombs[lo - 1];
+    return NULL;
+}
+
+/* The thread's context stack holds context HANDLES: a context destroyed since it was made
+ * current stays destroyed for this thread even after the primary context is retained again
+ * (under a new handle). */
+static __thread uint64_t tls_stack[64];
 static __thread int tls_depth;
 
-static ctx_t *current_ctx(void) { return tls_depth ? tls_stack[tls_depth - 1] : NULL; }
+static uint64_t current_handle(void) { return tls_depth ? tls_stack[tls_depth - 1] : 0; }
 
-/* The current context, or why there is none usable (lock held). */
-static CUresult need_ctx(ctx_t **out) {
-    ctx_t *c = current_ctx();
-    if (!c)
-        return CUDA_ERROR_INVALID_CONTEXT;
-    if (!c->active)
-        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
-    if (c->sticky)
-        return c->sticky;
-    *out = c;
-    return CUDA_SUCCESS;
+static int wait_behind_sync(ctx_t *c, const char *call);
+
+/* The current context, or why there is none usable (lock held). Waits while another thread is
+ * in a context-synchronising call on it (rule 1). Using a current context that has been
+ * destroyed is CUDA_ERROR_CONTEXT_IS_DESTROYED, as documented (not undefined). */
+static CUresult need_ctx(const char *call, ctx_t **out) {
+    for (;;) {
+        uint64_t h = current_handle();
+        if (!h)
+            return CUDA_ERROR_INVALID_CONTEXT;
+        slot_t *sl = handle_slot(h, K_CTX);
+        if (!sl)
+            return CUDA_ERROR_INVALID_CONTEXT;
+        if (sl->dead)
+            return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+        ctx_t *c = sl->obj;
+        if (!c->active)
+            return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+        if (wait_behind_sync(c, call))
+            continue;
+        if (c->sticky)
+            return c->sticky;
+        *out = c;
+        return CUDA_SUCCESS;
+    }
 }
 
 static int in_device_space(uint64_t p) {
@@ -439,15 +609,20 @@ static void release_backing(alloc_t *a) {
         pp = &(*pp)->next;
     if (*pp)
         *pp = a->next;
-    if (a->kind == A_DEVICE || (a->kind == A_PINNED && a->host))
+    if (a->kind == A_DEVICE)
         munmap(a->host, a->map_size);
+    else if (a->kind == A_PINNED && a->host) /* keep the range reserved: never reused */
+        mmap(a->host, a->map_size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS |
+             MAP_NORESERVE, -1, 0);
     free(a);
 }
 
-static void free_alloc(alloc_t *a) {
+static void free_alloc(alloc_t *a, const char *why) {
     if (a->freed)
         return;
     a->freed = 1;
+    if (a->kind != A_REGISTERED)
+        tomb_add(a->addr, a->size, why);
     if (a->kind == A_DEVICE) {
         g_dev[a->device].used -= (long long)a->size;
         if (a->from_pool)
@@ -487,9 +662,27 @@ static res_t resolve(uint64_t ptr, size_t n) {
         r.a = a;
         return r;
     }
+    if (tomb_find(ptr))
+        return r; /* freed pinned memory (reserved, unreadable) */
     r.kind = R_PAGEABLE;
     r.p = (char *)(uintptr_t)ptr;
     return r;
+}
+
+/* Rule 3 for memory: a pointer a call names that was freed, or whose context was destroyed,
+ * is a misuse (the real driver may name new memory there, or crash). Returns 0 then. */
+static int check_ptr(const char *call, uint64_t p) {
+    if (!p || find_alloc(p, 0))
+        return 1;
+    const tomb_t *t = tomb_find(p);
+    if (t) {
+        misuse("%s: %s pointer %#llx used after its memory was freed (%s; allocation %#llx, "
+               "%llu bytes)",
+               call, in_device_space(p) ? "device" : "pinned host", (unsigned long long)p,
+               t->why, (unsigned long long)t->addr, (unsigned long long)(t->end - t->addr));
+        return 0;
+    }
+    return 1;
 }
 
 /* -- streams and their worker threads --------------------------------------------------- */
@@ -526,11 +719,11 @@ static stream_t *stream_new(ctx_t *c, unsigned flags, int legacy) {
 
 /* The stream a handle names: 0 / CU_STREAM_LEGACY (1) / CU_STREAM_PER_THREAD (2) are the
  * current context's default stream (lock held). */
-static CUresult get_stream(CUstream h, stream_t **out) {
+static CUresult get_stream(const char *call, CUstream h, stream_t **out) {
     uint64_t v = (uint64_t)(uintptr_t)h;
     if (v <= 2) {
         ctx_t *c;
-        CUresult e = need_ctx(&c);
+        CUresult e = need_ctx(call, &c);
         if (e)
             return e;
         if (!c->null_stream)
@@ -538,15 +731,19 @@ static CUresult get_stream(CUstream h, stream_t **out) {
         *out = c->null_stream;
         return CUDA_SUCCESS;
     }
-    stream_t *s = handle_get(v, K_STREAM);
-    if (!s || s->destroyed)
-        return CUDA_ERROR_INVALID_HANDLE;
-    if (!s->ctx->active || s->gen != s->ctx->gen)
-        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
-    if (s->ctx->sticky)
-        return s->ctx->sticky;
-    *out = s;
-    return CUDA_SUCCESS;
+    for (;;) {
+        stream_t *s = handle_use(call, v, K_STREAM); /* destroyed: a misuse (rule 3) */
+        if (!s || s->destroyed)
+            return CUDA_ERROR_INVALID_HANDLE;
+        if (!s->ctx->active || s->gen != s->ctx->gen)
+            return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+        if (wait_behind_sync(s->ctx, call))
+            continue; /* the world may have changed: look again */
+        if (s->ctx->sticky)
+            return s->ctx->sticky;
+        *out = s;
+        return CUDA_SUCCESS;
+    }
 }
 
 static op_t *op_new(int kind) {
@@ -583,6 +780,7 @@ static int wait_stream(stream_t *s, uint64_t upto) {
         return 1;
     uint64_t t0 = now_ns();
     int watched = cfg.watch_tid && my_tid() == cfg.watch_tid, ok = 1;
+    st.host_waiting++;
     while (!stream_idle(s, upto)) {
         if (cfg.host_wait_limit_ns > 0 && now_ns() - t0 > (uint64_t)cfg.host_wait_limit_ns) {
             host_wait_expired("a stream or event synchronisation");
@@ -591,10 +789,9 @@ static int wait_stream(stream_t *s, uint64_t upto) {
         }
         cond_wait_ns(&g_progress, 50000000ULL);
     }
-    if (watched) {
-        st.watched_blocking++;
+    st.host_waiting--;
+    if (watched)
         st.watched_blocking_ns += (long long)(now_ns() - t0);
-    }
     return ok;
 }
 
@@ -615,6 +812,7 @@ static int wait_ctx(ctx_t *c, uint64_t limit_ns) {
     }
     uint64_t start = now_ns();
     int watched = cfg.watch_tid && my_tid() == cfg.watch_tid, blocked = 0, ok = 1;
+    st.host_waiting++;
     for (i = 0; i < n; i++) {
         while (!stream_idle(ss[i], upto[i])) {
             blocked = 1;
@@ -631,13 +829,78 @@ static int wait_ctx(ctx_t *c, uint64_t limit_ns) {
         if (!ok)
             break;
     }
-    if (watched && blocked) {
-        st.watched_blocking++;
+    st.host_waiting--;
+    if (watched && blocked)
         st.watched_blocking_ns += (long long)(now_ns() - start);
-    }
     free(ss);
     free(upto);
     return ok;
+}
+
+/* -- rule 1: context-synchronising calls hold the context -------------------------------- */
+/* cuMemFree, cuMemFreeHost, cuMemHostUnregister, cuCtxSynchronize and the last
+ * cuDevicePrimaryCtxRelease (which destroys the context) wait until every stream of the
+ * context is idle, and MEANWHILE every other driver call on that context, from any other
+ * thread, waits for them to finish: the context's lock is held for the whole call. On a real
+ * GPU, cuMemFreeHost waited for a stream held on the device, and cuStreamCreate from another
+ * thread waited behind it; that is how a free thread froze the event loop in cuEventRecord.
+ *
+ * A call waits here (lock held) when another thread is inside such a call on `c`; returns 1
+ * if it waited (the caller looks its handles up again). From a marked event-loop thread this
+ * wait is a misuse (rule 5). */
+static int wait_behind_sync(ctx_t *c, const char *call) {
+    long me = my_tid();
+    if (!c || !c->sync_owner || c->sync_owner == me)
+        return 0;
+    if (st.loop_threads && is_loop_thread(me))
+        misuse("%s called on the marked event-loop thread (tid %ld) waits behind %s on thread "
+               "%ld, which synchronises device %d's context (until every stream is idle) and "
+               "holds the context meanwhile",
+               call, me, c->sync_call ? c->sync_call : "?", c->sync_owner, c->device);
+    uint64_t t0 = now_ns();
+    if (cfg.watch_tid && me == cfg.watch_tid)
+        st.watched_blocking++;
+    st.sync_waits++;
+    st.sync_waiting++;
+    while (c->sync_owner && c->sync_owner != me)
+        cond_wait_ns(&g_progress, 50000000ULL);
+    st.sync_waiting--;
+    if (cfg.watch_tid && me == cfg.watch_tid)
+        st.watched_blocking_ns += (long long)(now_ns() - t0);
+    return 1;
+}
+
+static int work_in_flight(ctx_t *c) {
+    for (stream_t *s = c->streams; s; s = s->next)
+        if (!stream_idle(s, s->enqueued))
+            return 1;
+    return 0;
+}
+
+/* Enter a context-synchronising call on `c` (lock held): wait for another thread's to end,
+ * then hold the context until sync_end. `check`: apply the loop rules (0 for test control). */
+static void sync_begin(ctx_t *c, const char *call, int check) {
+    long me = my_tid();
+    if (check)
+        loop_waits(call, "it synchronises the context (waits until every stream is idle)");
+    while (wait_behind_sync(c, call)) {
+    }
+    c->sync_owner = me;
+    c->sync_call = call;
+    st.sync_calls++;
+    if (check && cfg.strict_loop_sync && st.loop_threads && !is_loop_thread(me) &&
+        work_in_flight(c))
+        misuse("%s on thread %ld synchronises device %d's context while work is in flight and "
+               "an event-loop thread is marked: until that work is done, every driver call on "
+               "this context, the loop's included, waits behind it (a real GPU froze the event "
+               "loop in cuEventRecord this way)",
+               call, me, c->device);
+}
+
+static void sync_end(ctx_t *c) {
+    c->sync_owner = 0;
+    c->sync_call = NULL;
+    pthread_cond_broadcast(&g_progress);
 }
 
 static void throttle(size_t n) {
@@ -833,7 +1096,7 @@ static void run_op(stream_t *s, op_t *o) {
             violation("stream %#llx: cuMemFreeAsync(%#llx) ran while another stream was copying "
                       "to or from it (a missing cross-stream dependency)",
                       (unsigned long long)s->handle, (unsigned long long)o->dst);
-        free_alloc(a);
+        free_alloc(a, "freed by cuMemFreeAsync when its stream reached the free");
         break;
     }
     }
@@ -881,6 +1144,7 @@ static void *stream_main(void *arg) {
 
 static void *callback_main(void *arg) {
     ctx_t *c = arg;
+    tls_hostfn = 1; /* this thread runs host functions only: a driver call here is a misuse */
     pthread_mutex_lock(&g_mu);
     for (;;) {
         while (!c->cb_head && !c->cb_stop)
@@ -925,6 +1189,8 @@ static void ensure_callback_thread(ctx_t *c) {
 
 /* -- initialisation, devices ------------------------------------------------------------ */
 EXPORT CUresult cuInit(unsigned int flags) {
+    if (hostfn_calls("cuInit"))
+        return CUDA_ERROR_NOT_PERMITTED_;
     CUresult inj = inject("cuInit");
     if (inj)
         return inj;
@@ -947,6 +1213,8 @@ EXPORT CUresult cuInit(unsigned int flags) {
 }
 
 EXPORT CUresult cuDriverGetVersion(int *v) {
+    if (hostfn_calls("cuDriverGetVersion"))
+        return CUDA_ERROR_NOT_PERMITTED_;
     if (!v)
         return CUDA_ERROR_INVALID_VALUE;
     *v = (int)cfg.driver_version;
@@ -1061,6 +1329,11 @@ EXPORT CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
 }
 
 /* -- contexts --------------------------------------------------------------------------- */
+/* A primary context gets a NEW handle each time it is retained after being destroyed, and
+ * everything made in it (streams, events, memory) dies with it: using any of it afterwards
+ * is a misuse (rule 3), even after the context was retained again. On a real GPU an event
+ * destroyed in a garbage collection after its context was released, while the next test had
+ * retained the primary context again, crashed the process. */
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     ENTER("cuDevicePrimaryCtxRetain");
     if (!pctx)
@@ -1069,9 +1342,10 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c = &g_dev[dev].ctx;
-    if (!c->handle)
-        c->handle = handle_new(K_CTX, c);
+    while (wait_behind_sync(c, "cuDevicePrimaryCtxRetain")) {
+    }
     if (!c->active) {
+        c->handle = handle_new(K_CTX, c);
         c->active = 1;
         c->sticky = 0;
         c->peer_mask = 0;
@@ -1082,15 +1356,16 @@ EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
-/* The primary context's last reference is gone: it is destroyed with everything in it. */
-static void ctx_reset(ctx_t *c) {
+/* The primary context's last reference is gone: it is destroyed with everything in it (lock
+ * held, the caller holds the context: sync_begin). `why` says by what (a static string). */
+static void ctx_reset(ctx_t *c, const char *why) {
     if (!wait_ctx(c, 5000000000ULL))
         violation("device %d: its primary context was released while work was still pending "
                   "after 5 s (a stream blocked forever?); the work was abandoned",
                   c->device);
     for (stream_t *s = c->streams; s; s = s->next) {
         if (!s->legacy && !s->destroyed)
-            handle_free(s->handle);
+            handle_kill(s->handle, why);
         s->destroyed = 1;
         s->abandon = 1;
         pthread_cond_signal(&s->cv);
@@ -1101,7 +1376,7 @@ static void ctx_reset(ctx_t *c) {
     for (event_t *e = g_events; e; e = e->next) {
         if (e->ctx == c && e->gen == c->gen && !e->destroyed) {
             e->destroyed = 1;
-            handle_free(e->handle);
+            handle_kill(e->handle, why);
         }
     }
     for (alloc_t *a = g_allocs, *next; a; a = next) {
@@ -1110,8 +1385,10 @@ static void ctx_reset(ctx_t *c) {
             continue;
         if (a->kind == A_PINNED && !cfg.unmap_pinned_on_reset)
             a->host = NULL; /* leave it mapped (and leaked) */
-        free_alloc(a);
+        free_alloc(a, why);
     }
+    handle_kill(c->handle, why);
+    c->handle = 0;
     c->active = 0;
     c->gen++;
     c->sticky = 0;
@@ -1126,27 +1403,37 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     pthread_mutex_lock(&g_mu);
     ctx_t *c = &g_dev[dev].ctx;
     CUresult e = CUDA_SUCCESS;
+    while (wait_behind_sync(c, "cuDevicePrimaryCtxRelease")) {
+    }
     if (c->refs <= 0) {
         e = CUDA_ERROR_INVALID_CONTEXT;
-    } else if (--c->refs == 0) {
-        ctx_reset(c);
+    } else if (c->refs > 1) {
+        c->refs--;
+    } else { /* the last reference: destroying the context synchronises it */
+        sync_begin(c, "cuDevicePrimaryCtxRelease", 1);
+        if (--c->refs == 0)
+            ctx_reset(c, "its context was destroyed by the last cuDevicePrimaryCtxRelease");
+        sync_end(c);
     }
     pthread_mutex_unlock(&g_mu);
     return e;
 }
 
-static ctx_t *ctx_of(CUcontext h) { return handle_get((uint64_t)(uintptr_t)h, K_CTX); }
+/* The live context a handle names (lock held); a destroyed one is a misuse naming `call`. */
+static ctx_t *ctx_of(const char *call, CUcontext h) {
+    return handle_use(call, (uint64_t)(uintptr_t)h, K_CTX);
+}
 
 EXPORT CUresult cuCtxPushCurrent_v2(CUcontext h) {
     ENTER("cuCtxPushCurrent");
     pthread_mutex_lock(&g_mu);
-    ctx_t *c = ctx_of(h);
+    ctx_t *c = ctx_of("cuCtxPushCurrent", h);
     pthread_mutex_unlock(&g_mu);
     if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
     if (tls_depth == 64)
         return CUDA_ERROR_INVALID_VALUE;
-    tls_stack[tls_depth++] = c;
+    tls_stack[tls_depth++] = (uint64_t)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
 
@@ -1154,27 +1441,27 @@ EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *out) {
     ENTER("cuCtxPopCurrent");
     if (!tls_depth)
         return CUDA_ERROR_INVALID_CONTEXT;
-    ctx_t *c = tls_stack[--tls_depth];
+    uint64_t h = tls_stack[--tls_depth];
     if (out)
-        *out = c ? (CUcontext)(uintptr_t)c->handle : NULL;
+        *out = (CUcontext)(uintptr_t)h;
     return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuCtxSetCurrent(CUcontext h) {
     ENTER("cuCtxSetCurrent");
-    ctx_t *c = NULL;
     if (h) {
         pthread_mutex_lock(&g_mu);
-        c = ctx_of(h);
+        ctx_t *c = ctx_of("cuCtxSetCurrent", h);
         pthread_mutex_unlock(&g_mu);
         if (!c)
             return CUDA_ERROR_INVALID_CONTEXT;
     }
+    uint64_t v = (uint64_t)(uintptr_t)h;
     if (!tls_depth) {
-        if (c)
-            tls_stack[tls_depth++] = c;
+        if (v)
+            tls_stack[tls_depth++] = v;
     } else {
-        tls_stack[tls_depth - 1] = c;
+        tls_stack[tls_depth - 1] = v;
     }
     return CUDA_SUCCESS;
 }
@@ -1183,8 +1470,7 @@ EXPORT CUresult cuCtxGetCurrent(CUcontext *out) {
     ENTER("cuCtxGetCurrent");
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
-    ctx_t *c = current_ctx();
-    *out = c ? (CUcontext)(uintptr_t)c->handle : NULL;
+    *out = (CUcontext)(uintptr_t)current_handle();
     return CUDA_SUCCESS;
 }
 
@@ -1194,7 +1480,7 @@ EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuCtxGetDevice", &c);
     if (!e)
         *dev = c->device;
     pthread_mutex_unlock(&g_mu);
@@ -1205,11 +1491,13 @@ EXPORT CUresult cuCtxSynchronize(void) {
     ENTER("cuCtxSynchronize");
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuCtxSynchronize", &c);
     if (!e) {
+        sync_begin(c, "cuCtxSynchronize", 1);
         e = wait_ctx(c, 0) ? c->sticky : CUDA_ERROR_UNKNOWN;
         if (e == CUDA_ERROR_UNKNOWN)
             host_wait_expired("cuCtxSynchronize");
+        sync_end(c);
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1220,8 +1508,8 @@ EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
     if (flags)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    ctx_t *c, *p = ctx_of(peer);
-    CUresult e = need_ctx(&c);
+    ctx_t *c, *p = ctx_of("cuCtxEnablePeerAccess", peer);
+    CUresult e = need_ctx("cuCtxEnablePeerAccess", &c);
     if (!e && (!p || !p->active))
         e = CUDA_ERROR_INVALID_HANDLE;
     if (!e && p == c)
@@ -1241,7 +1529,7 @@ EXPORT CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuStreamCreate", &c);
     if (!e) {
         stream_t *s = stream_new(c, flags, 0);
         *out = (CUstream)(uintptr_t)s->handle;
@@ -1253,15 +1541,20 @@ EXPORT CUresult cuStreamCreate(CUstream *out, unsigned int flags) {
 EXPORT CUresult cuStreamDestroy_v2(CUstream h) {
     ENTER("cuStreamDestroy");
     pthread_mutex_lock(&g_mu);
-    stream_t *s = handle_get((uint64_t)(uintptr_t)h, K_STREAM);
     CUresult e = CUDA_SUCCESS;
-    if (!s || s->destroyed) {
-        e = CUDA_ERROR_INVALID_HANDLE;
-    } else {
+    for (;;) {
+        stream_t *s = handle_use("cuStreamDestroy", (uint64_t)(uintptr_t)h, K_STREAM);
+        if (!s || s->destroyed) {
+            e = CUDA_ERROR_INVALID_HANDLE;
+            break;
+        }
+        if (wait_behind_sync(s->ctx, "cuStreamDestroy"))
+            continue;
         /* Like the driver: returns at once; work already enqueued still runs. */
         s->destroyed = 1;
-        handle_free(s->handle);
+        handle_kill(s->handle, "destroyed by cuStreamDestroy");
         pthread_cond_signal(&s->cv);
+        break;
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1271,9 +1564,11 @@ EXPORT CUresult cuStreamSynchronize(CUstream h) {
     ENTER("cuStreamSynchronize");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
-    if (!e)
+    CUresult e = get_stream("cuStreamSynchronize", h, &s);
+    if (!e) {
+        loop_waits("cuStreamSynchronize", "it waits until the stream is idle");
         e = wait_stream(s, s->enqueued) ? s->ctx->sticky : CUDA_ERROR_UNKNOWN;
+    }
     pthread_mutex_unlock(&g_mu);
     return e;
 }
@@ -1282,7 +1577,7 @@ EXPORT CUresult cuStreamQuery(CUstream h) {
     ENTER("cuStreamQuery");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuStreamQuery", h, &s);
     if (!e && !stream_idle(s, s->enqueued))
         e = CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&g_mu);
@@ -1295,21 +1590,40 @@ EXPORT CUresult cuStreamGetCtx(CUstream h, CUcontext *out) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuStreamGetCtx", h, &s);
     if (!e)
         *out = (CUcontext)(uintptr_t)s->ctx->handle;
     pthread_mutex_unlock(&g_mu);
     return e;
 }
 
+/* The live event a handle names (lock held): destroyed, or of a destroyed context, is a
+ * misuse (rule 3); waits behind a synchronising call on its context (rule 1). */
+static CUresult get_event(const char *call, CUevent h, event_t **out) {
+    for (;;) {
+        event_t *x = handle_use(call, (uint64_t)(uintptr_t)h, K_EVENT);
+        if (!x || x->destroyed)
+            return CUDA_ERROR_INVALID_HANDLE;
+        if (wait_behind_sync(x->ctx, call))
+            continue;
+        *out = x;
+        return CUDA_SUCCESS;
+    }
+}
+
 EXPORT CUresult cuStreamWaitEvent(CUstream h, CUevent ev, unsigned int flags) {
     ENTER("cuStreamWaitEvent");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
-    event_t *x = handle_get((uint64_t)(uintptr_t)ev, K_EVENT);
-    if (!e && (!x || x->destroyed))
-        e = CUDA_ERROR_INVALID_HANDLE;
+    event_t *x = NULL;
+    CUresult e = CUDA_SUCCESS;
+    for (;;) { /* both looked up with no wait in between */
+        e = get_stream("cuStreamWaitEvent", h, &s);
+        if (!e)
+            e = get_event("cuStreamWaitEvent", ev, &x);
+        if (e || !s->ctx->sync_owner || s->ctx->sync_owner == my_tid())
+            break;
+    }
     if (!e && flags > 1)
         e = CUDA_ERROR_INVALID_VALUE;
     if (!e && x->stream) {
@@ -1329,7 +1643,7 @@ EXPORT CUresult cuLaunchHostFunc(CUstream h, CUhostFn fn, void *arg) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuLaunchHostFunc", h, &s);
     if (!e) {
         ensure_callback_thread(s->ctx);
         op_t *o = op_new(OP_HOSTFN);
@@ -1341,7 +1655,9 @@ EXPORT CUresult cuLaunchHostFunc(CUstream h, CUhostFn fn, void *arg) {
     return e;
 }
 
-static CUresult mem_op_target(CUdeviceptr addr) {
+static CUresult mem_op_target(const char *call, CUdeviceptr addr) {
+    if (!check_ptr(call, addr))
+        return CUDA_ERROR_INVALID_VALUE;
     res_t d = resolve(addr, 4);
     if (addr & 3)
         return CUDA_ERROR_INVALID_VALUE;
@@ -1361,9 +1677,9 @@ EXPORT CUresult cuStreamWaitValue32_v2(CUstream h, CUdeviceptr addr, unsigned in
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuStreamWaitValue32", h, &s);
     if (!e)
-        e = mem_op_target(addr);
+        e = mem_op_target("cuStreamWaitValue32", addr);
     if (!e) {
         op_t *o = op_new(OP_WAIT_VALUE);
         o->dst = addr;
@@ -1384,9 +1700,9 @@ EXPORT CUresult cuStreamWriteValue32_v2(CUstream h, CUdeviceptr addr, unsigned i
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuStreamWriteValue32", h, &s);
     if (!e)
-        e = mem_op_target(addr);
+        e = mem_op_target("cuStreamWriteValue32", addr);
     if (!e) {
         op_t *o = op_new(OP_WRITE_VALUE);
         o->dst = addr;
@@ -1404,7 +1720,7 @@ EXPORT CUresult cuEventCreate(CUevent *out, unsigned int flags) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuEventCreate", &c);
     if (!e) {
         event_t *x = calloc(1, sizeof *x);
         x->ctx = c;
@@ -1420,22 +1736,14 @@ EXPORT CUresult cuEventCreate(CUevent *out, unsigned int flags) {
     return e;
 }
 
-static CUresult get_event(CUevent h, event_t **out) {
-    event_t *x = handle_get((uint64_t)(uintptr_t)h, K_EVENT);
-    if (!x || x->destroyed)
-        return CUDA_ERROR_INVALID_HANDLE;
-    *out = x;
-    return CUDA_SUCCESS;
-}
-
 EXPORT CUresult cuEventDestroy_v2(CUevent h) {
     ENTER("cuEventDestroy");
     pthread_mutex_lock(&g_mu);
     event_t *x;
-    CUresult e = get_event(h, &x);
+    CUresult e = get_event("cuEventDestroy", h, &x);
     if (!e) {
         x->destroyed = 1; /* pending records and waits keep the struct: it is never freed */
-        handle_free(x->handle);
+        handle_kill(x->handle, "destroyed by cuEventDestroy");
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1444,11 +1752,16 @@ EXPORT CUresult cuEventDestroy_v2(CUevent h) {
 EXPORT CUresult cuEventRecord(CUevent h, CUstream sh) {
     ENTER("cuEventRecord");
     pthread_mutex_lock(&g_mu);
-    event_t *x;
-    stream_t *s;
-    CUresult e = get_event(h, &x);
-    if (!e)
-        e = get_stream(sh, &s);
+    event_t *x = NULL;
+    stream_t *s = NULL;
+    CUresult e = CUDA_SUCCESS;
+    for (;;) {
+        e = get_event("cuEventRecord", h, &x);
+        if (!e)
+            e = get_stream("cuEventRecord", sh, &s);
+        if (e || !x->ctx->sync_owner || x->ctx->sync_owner == my_tid())
+            break;
+    }
     if (!e && s->ctx != x->ctx)
         e = CUDA_ERROR_INVALID_HANDLE; /* event and stream of different contexts */
     if (!e) {
@@ -1468,7 +1781,7 @@ EXPORT CUresult cuEventQuery(CUevent h) {
     ENTER("cuEventQuery");
     pthread_mutex_lock(&g_mu);
     event_t *x;
-    CUresult e = get_event(h, &x);
+    CUresult e = get_event("cuEventQuery", h, &x);
     if (!e && x->ctx->sticky)
         e = x->ctx->sticky;
     if (!e && x->stream && !stream_idle(x->stream, x->seq))
@@ -1481,7 +1794,9 @@ EXPORT CUresult cuEventSynchronize(CUevent h) {
     ENTER("cuEventSynchronize");
     pthread_mutex_lock(&g_mu);
     event_t *x;
-    CUresult e = get_event(h, &x);
+    CUresult e = get_event("cuEventSynchronize", h, &x);
+    if (!e)
+        loop_waits("cuEventSynchronize", "it waits until the event's work is done");
     if (!e && x->stream && !wait_stream(x->stream, x->seq))
         e = CUDA_ERROR_UNKNOWN;
     if (!e && x->ctx->sticky)
@@ -1496,9 +1811,9 @@ EXPORT CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     event_t *x, *y;
-    CUresult e = get_event(a, &x);
+    CUresult e = get_event("cuEventElapsedTime", a, &x);
     if (!e)
-        e = get_event(b, &y);
+        e = get_event("cuEventElapsedTime", b, &y);
     if (!e && ((x->flags | y->flags) & 2))
         e = CUDA_ERROR_INVALID_HANDLE; /* CU_EVENT_DISABLE_TIMING */
     if (!e && (!x->stream || !y->stream))
@@ -1560,7 +1875,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuMemAlloc", &c);
     if (!e)
         e = device_alloc(c, n, 0, NULL, out);
     pthread_mutex_unlock(&g_mu);
@@ -1573,7 +1888,7 @@ EXPORT CUresult cuMemAllocAsync(CUdeviceptr *out, size_t n, CUstream h) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuMemAllocAsync", h, &s);
     if (!e)
         e = device_alloc(s->ctx, n, 1, s, out);
     pthread_mutex_unlock(&g_mu);
@@ -1584,22 +1899,33 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     ENTER("cuMemFree");
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuMemFree", &c);
     alloc_t *a = NULL;
+    if (!e && !check_ptr("cuMemFree", p))
+        e = CUDA_ERROR_INVALID_VALUE;
     if (!e) {
         a = find_alloc(p, 0);
         if (!a || a->kind != A_DEVICE || a->addr != p)
             e = CUDA_ERROR_INVALID_VALUE;
+        else if (a->free_enqueued) {
+            misuse("cuMemFree: device pointer %#llx was freed already (cuMemFreeAsync)",
+                   (unsigned long long)p);
+            e = CUDA_ERROR_INVALID_VALUE;
+        }
     }
     if (!e) {
-        /* cuMemFree synchronizes: work already enqueued that uses the memory finishes */
-        if (!wait_ctx(&g_dev[a->device].ctx, 0))
+        /* cuMemFree synchronizes (rule 1): work already enqueued that uses the memory
+         * finishes, and other threads' calls on the context wait meanwhile */
+        ctx_t *owner = &g_dev[a->device].ctx;
+        sync_begin(owner, "cuMemFree", 1);
+        if (!wait_ctx(owner, 0))
             host_wait_expired("cuMemFree");
         a = find_alloc(p, 0);
         if (a && a->kind == A_DEVICE && a->addr == p)
-            free_alloc(a);
+            free_alloc(a, "freed by cuMemFree");
         else
             e = CUDA_ERROR_INVALID_VALUE;
+        sync_end(owner);
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1609,11 +1935,21 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream h) {
     ENTER("cuMemFreeAsync");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuMemFreeAsync", h, &s);
+    if (!e && !check_ptr("cuMemFreeAsync", p))
+        e = CUDA_ERROR_INVALID_VALUE;
     if (!e) {
         alloc_t *a = find_alloc(p, 0);
-        if (!a || a->kind != A_DEVICE || a->addr != p)
+        if (!a || a->kind != A_DEVICE || a->addr != p) {
             e = CUDA_ERROR_INVALID_VALUE;
+        } else if (a->free_enqueued) {
+            misuse("cuMemFreeAsync: device pointer %#llx freed twice (a cuMemFreeAsync of it is "
+                   "already enqueued)",
+                   (unsigned long long)p);
+            e = CUDA_ERROR_INVALID_VALUE;
+        } else {
+            a->free_enqueued = 1;
+        }
     }
     if (!e) {
         op_t *o = op_new(OP_FREE);
@@ -1630,7 +1966,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuMemGetInfo", &c);
     if (!e) {
         *total = (size_t)cfg.memory_limit;
         long long f = cfg.memory_limit - g_dev[c->device].used;
@@ -1653,7 +1989,7 @@ EXPORT CUresult cuMemHostAlloc(void **pp, size_t n, unsigned int flags) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuMemHostAlloc", &c);
     if (!e && (long long)n > cfg.pinned_limit - g_pinned_used)
         e = CUDA_ERROR_OUT_OF_MEMORY;
     if (!e) {
@@ -1688,16 +2024,24 @@ EXPORT CUresult cuMemAllocHost_v2(void **pp, size_t n) { return cuMemHostAlloc(p
 EXPORT CUresult cuMemFreeHost(void *p) {
     ENTER("cuMemFreeHost");
     pthread_mutex_lock(&g_mu);
-    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 0);
     CUresult e = CUDA_SUCCESS;
-    if (!a || a->kind != A_PINNED || a->addr != (uint64_t)(uintptr_t)p) {
+    alloc_t *a = NULL;
+    if (!check_ptr("cuMemFreeHost", (uint64_t)(uintptr_t)p))
         e = CUDA_ERROR_INVALID_VALUE;
-    } else {
-        if (!wait_ctx(a->ctx, 0)) /* synchronizes, like the driver */
+    if (!e) {
+        a = find_alloc((uint64_t)(uintptr_t)p, 0);
+        if (!a || a->kind != A_PINNED || a->addr != (uint64_t)(uintptr_t)p)
+            e = CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!e) {
+        ctx_t *c = a->ctx;
+        sync_begin(c, "cuMemFreeHost", 1); /* synchronizes, like the driver (rule 1) */
+        if (!wait_ctx(c, 0))
             host_wait_expired("cuMemFreeHost");
         a = find_alloc((uint64_t)(uintptr_t)p, 0);
         if (a && a->kind == A_PINNED)
-            free_alloc(a);
+            free_alloc(a, "freed by cuMemFreeHost");
+        sync_end(c);
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1709,7 +2053,7 @@ EXPORT CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
     ctx_t *c;
-    CUresult e = need_ctx(&c);
+    CUresult e = need_ctx("cuMemHostRegister", &c);
     if (!e && host_overlaps((uint64_t)(uintptr_t)p, n))
         e = CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
     if (!e) {
@@ -1735,11 +2079,14 @@ EXPORT CUresult cuMemHostUnregister(void *p) {
     if (!a || a->kind != A_REGISTERED || a->addr != (uint64_t)(uintptr_t)p) {
         e = CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
     } else {
-        if (!wait_ctx(a->ctx, 0))
+        ctx_t *c = a->ctx;
+        sync_begin(c, "cuMemHostUnregister", 1); /* synchronizes (rule 1) */
+        if (!wait_ctx(c, 0))
             host_wait_expired("cuMemHostUnregister");
         a = find_alloc((uint64_t)(uintptr_t)p, 0);
         if (a && a->kind == A_REGISTERED)
-            free_alloc(a);
+            free_alloc(a, "unregistered");
+        sync_end(c);
     }
     pthread_mutex_unlock(&g_mu);
     return e;
@@ -1750,7 +2097,9 @@ EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *out, void *p, unsigned
     if (!out || flags)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 1);
+    alloc_t *a = check_ptr("cuMemHostGetDevicePointer", (uint64_t)(uintptr_t)p)
+                     ? find_alloc((uint64_t)(uintptr_t)p, 1)
+                     : NULL;
     CUresult e = CUDA_SUCCESS;
     if (!a || a->kind == A_DEVICE || !(a->flags & 2))
         e = CUDA_ERROR_INVALID_VALUE;
@@ -1765,7 +2114,9 @@ EXPORT CUresult cuMemHostGetFlags(unsigned int *flags, void *p) {
     if (!flags)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    alloc_t *a = find_alloc((uint64_t)(uintptr_t)p, 1);
+    alloc_t *a = check_ptr("cuMemHostGetFlags", (uint64_t)(uintptr_t)p)
+                     ? find_alloc((uint64_t)(uintptr_t)p, 1)
+                     : NULL;
     CUresult e = CUDA_SUCCESS;
     if (!a || a->kind != A_PINNED)
         e = CUDA_ERROR_INVALID_VALUE;
@@ -1780,7 +2131,12 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     if (!data)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_mu);
-    alloc_t *a = find_alloc(p, 1);
+    alloc_t *a = NULL;
+    if (check_ptr("cuPointerGetAttribute", p)) {
+        a = find_alloc(p, 1);
+        if (a && a->ctx && wait_behind_sync(a->ctx, "cuPointerGetAttribute"))
+            a = find_alloc(p, 1);
+    }
     CUresult e = CUDA_SUCCESS;
     if (!a) {
         e = CUDA_ERROR_INVALID_VALUE; /* pageable host memory, or nothing at all */
@@ -1836,12 +2192,25 @@ EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
 }
 
 /* -- copies and memsets ----------------------------------------------------------------- */
-/* Enqueue a copy on `s` (lock held). Pageable host memory: a host-to-device copy stages the
- * source on the calling thread before returning; a copy into pageable memory returns only
- * once the stream has done it (the real driver's behaviour: synchronous for the host). */
-static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n, int sync) {
+/* Enqueue a copy on `s` (lock held), with the host synchronisation the CUDA documentation
+ * ("API synchronization behavior") gives it:
+ *   - pageable -> device, cuMemcpyAsync, at most pageable_staging_limit bytes (4 MiB by
+ *     default): staged on the calling thread, returns at once (the real driver returned at
+ *     once for 64 KiB and 1 MiB on a stream held on the device);
+ *   - pageable -> device, larger (rule 2): returns only once its stream has reached and done
+ *     the copy (the real driver did not return for 64 MiB until the stream ran);
+ *   - device -> pageable: returns once the copy has landed;
+ *   - host -> host (pinned or pageable): fully synchronous;
+ *   - synchronous cuMemcpy*: pinned <-> device and pageable -> device wait for the copy;
+ *     device -> device does not wait;
+ *   - everything else (pinned <-> device, device <-> device, async) returns at once.
+ * A copy that waits is, from a marked event-loop thread, a misuse (rule 5). */
+static CUresult copy_on(const char *call, stream_t *s, CUdeviceptr dst, CUdeviceptr src,
+                        size_t n, int sync) {
     if (!n)
         return CUDA_SUCCESS;
+    if (!check_ptr(call, dst) || !check_ptr(call, src))
+        return CUDA_ERROR_INVALID_VALUE;
     res_t d = resolve(dst, n), r = resolve(src, n);
     if (d.kind == R_BAD || r.kind == R_BAD)
         return CUDA_ERROR_INVALID_VALUE;
@@ -1856,7 +2225,31 @@ static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n,
         if (watched)
             st.watched_pageable++;
     }
-    if (r.kind == R_PAGEABLE && d.kind != R_PAGEABLE) {
+    char whybuf[200];
+    const char *why = NULL;
+    int stage = 0;
+    if (d.kind != R_DEVICE && r.kind != R_DEVICE) {
+        why = "a copy between host buffers is fully synchronous for the host";
+    } else if (d.kind == R_PAGEABLE) {
+        why = "a copy into pageable host memory returns once it has landed";
+    } else if (r.kind == R_PAGEABLE) {
+        if (sync) {
+            why = "a synchronous copy from pageable memory synchronises its stream first";
+        } else if ((long long)n > cfg.pageable_staging_limit) {
+            snprintf(whybuf, sizeof whybuf,
+                     "a pageable copy larger than the driver's staging (%zu > %lld bytes) "
+                     "returns only once its stream has reached it",
+                     n, cfg.pageable_staging_limit);
+            why = whybuf;
+        } else {
+            stage = 1;
+        }
+    } else if (sync && !(d.kind == R_DEVICE && r.kind == R_DEVICE)) {
+        why = "a synchronous copy to or from pinned memory returns once it is done";
+    }
+    if (why)
+        loop_waits(call, why);
+    if (stage) {
         o->kind = OP_STAGED;
         o->staging = malloc(n);
         if (!o->staging) {
@@ -1868,10 +2261,8 @@ static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n,
         memcpy(o->staging, r.p, n);
         throttle(n); /* staging runs at the copy's speed too */
         pthread_mutex_lock(&g_mu);
-        if (watched) {
-            st.watched_blocking++;
+        if (watched) /* host work, not a wait: counted in watched_pageable, not blocking */
             st.watched_blocking_ns += (long long)(now_ns() - t0);
-        }
         if (s->destroyed || !s->ctx->active) {
             free(o->staging);
             free(o);
@@ -1879,7 +2270,7 @@ static CUresult copy_on(stream_t *s, CUdeviceptr dst, CUdeviceptr src, size_t n,
         }
     }
     enqueue(s, o);
-    if (sync || d.kind == R_PAGEABLE) {
+    if (why) {
         if (!wait_stream(s, o->seq))
             return CUDA_ERROR_UNKNOWN;
         if (s->ctx->sticky)
@@ -1892,9 +2283,9 @@ EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
     ENTER("cuMemcpyAsync");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
+    CUresult e = get_stream("cuMemcpyAsync", h, &s);
     if (!e)
-        e = copy_on(s, dst, src, n, 0);
+        e = copy_on("cuMemcpyAsync", s, dst, src, n, 0);
     pthread_mutex_unlock(&g_mu);
     return e;
 }
@@ -1904,49 +2295,51 @@ EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dctx, CUdeviceptr s
     ENTER("cuMemcpyPeerAsync");
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(h, &s);
-    ctx_t *dc = ctx_of(dctx), *sc = ctx_of(sctx);
+    CUresult e = get_stream("cuMemcpyPeerAsync", h, &s);
+    ctx_t *dc = ctx_of("cuMemcpyPeerAsync", dctx), *sc = ctx_of("cuMemcpyPeerAsync", sctx);
     if (!e && (!dc || !sc || !dc->active || !sc->active))
         e = CUDA_ERROR_INVALID_CONTEXT;
+    if (!e && (!check_ptr("cuMemcpyPeerAsync", dst) || !check_ptr("cuMemcpyPeerAsync", src)))
+        e = CUDA_ERROR_INVALID_VALUE;
     if (!e) {
         res_t d = resolve(dst, n), r = resolve(src, n);
         if (d.kind != R_DEVICE || r.kind != R_DEVICE || d.a->ctx != dc || r.a->ctx != sc)
             e = CUDA_ERROR_INVALID_VALUE;
     }
     if (!e)
-        e = copy_on(s, dst, src, n, 0);
+        e = copy_on("cuMemcpyPeerAsync", s, dst, src, n, 0);
     pthread_mutex_unlock(&g_mu);
     return e;
 }
 
-static CUresult copy_sync(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+static CUresult copy_sync(const char *call, CUdeviceptr dst, CUdeviceptr src, size_t n) {
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(NULL, &s);
+    CUresult e = get_stream(call, NULL, &s);
     if (!e)
-        e = copy_on(s, dst, src, n, 1);
+        e = copy_on(call, s, dst, src, n, 1);
     pthread_mutex_unlock(&g_mu);
     return e;
 }
 
 EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     ENTER("cuMemcpy");
-    return copy_sync(dst, src, n);
+    return copy_sync("cuMemcpy", dst, src, n);
 }
 
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     ENTER("cuMemcpyHtoD");
-    return copy_sync(dst, (CUdeviceptr)(uintptr_t)src, n);
+    return copy_sync("cuMemcpyHtoD", dst, (CUdeviceptr)(uintptr_t)src, n);
 }
 
 EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     ENTER("cuMemcpyDtoH");
-    return copy_sync((CUdeviceptr)(uintptr_t)dst, src, n);
+    return copy_sync("cuMemcpyDtoH", (CUdeviceptr)(uintptr_t)dst, src, n);
 }
 
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     ENTER("cuMemcpyDtoD");
-    return copy_sync(dst, src, n);
+    return copy_sync("cuMemcpyDtoD", dst, src, n);
 }
 
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream h) {
@@ -1961,22 +2354,29 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n,
     return cuMemcpyAsync(dst, src, n, h);
 }
 
-static CUresult memset_on(stream_t *s, CUdeviceptr dst, unsigned v, size_t count, int kind,
-                          int sync) {
+/* Memsets: "the synchronous memset functions are asynchronous with respect to the host
+ * except when the target is pinned host memory"; the Async ones always are. */
+static CUresult memset_on(const char *call, stream_t *s, CUdeviceptr dst, unsigned v,
+                          size_t count, int kind, int sync) {
     size_t bytes = kind == OP_MEMSET32 ? count * 4 : count;
     if (!count)
         return CUDA_SUCCESS;
+    if (!check_ptr(call, dst))
+        return CUDA_ERROR_INVALID_VALUE;
     if (kind == OP_MEMSET32 && (dst & 3))
         return CUDA_ERROR_INVALID_VALUE;
     res_t d = resolve(dst, bytes);
     if (d.kind != R_DEVICE && d.kind != R_PINNED)
         return CUDA_ERROR_INVALID_VALUE;
+    int waits = sync && d.kind == R_PINNED;
+    if (waits)
+        loop_waits(call, "a synchronous memset of pinned memory is synchronous for the host");
     op_t *o = op_new(kind);
     o->dst = dst;
     o->value = v;
     o->n = count;
     enqueue(s, o);
-    if (sync) {
+    if (waits) {
         if (!wait_stream(s, o->seq))
             return CUDA_ERROR_UNKNOWN;
         if (s->ctx->sticky)
@@ -1985,48 +2385,35 @@ static CUresult memset_on(stream_t *s, CUdeviceptr dst, unsigned v, size_t count
     return CUDA_SUCCESS;
 }
 
-EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, size_t n) {
-    ENTER("cuMemsetD32");
+static CUresult memset_api(const char *call, CUstream h, CUdeviceptr dst, unsigned v, size_t n,
+                           int kind, int sync) {
     pthread_mutex_lock(&g_mu);
     stream_t *s;
-    CUresult e = get_stream(NULL, &s);
+    CUresult e = get_stream(call, h, &s);
     if (!e)
-        e = memset_on(s, dst, v, n, OP_MEMSET32, 1);
+        e = memset_on(call, s, dst, v, n, kind, sync);
     pthread_mutex_unlock(&g_mu);
     return e;
+}
+
+EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int v, size_t n) {
+    ENTER("cuMemsetD32");
+    return memset_api("cuMemsetD32", NULL, dst, v, n, OP_MEMSET32, 1);
 }
 
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int v, size_t n, CUstream h) {
     ENTER("cuMemsetD32Async");
-    pthread_mutex_lock(&g_mu);
-    stream_t *s;
-    CUresult e = get_stream(h, &s);
-    if (!e)
-        e = memset_on(s, dst, v, n, OP_MEMSET32, 0);
-    pthread_mutex_unlock(&g_mu);
-    return e;
+    return memset_api("cuMemsetD32Async", h, dst, v, n, OP_MEMSET32, 0);
 }
 
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     ENTER("cuMemsetD8");
-    pthread_mutex_lock(&g_mu);
-    stream_t *s;
-    CUresult e = get_stream(NULL, &s);
-    if (!e)
-        e = memset_on(s, dst, v, n, OP_MEMSET8, 1);
-    pthread_mutex_unlock(&g_mu);
-    return e;
+    return memset_api("cuMemsetD8", NULL, dst, v, n, OP_MEMSET8, 1);
 }
 
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream h) {
     ENTER("cuMemsetD8Async");
-    pthread_mutex_lock(&g_mu);
-    stream_t *s;
-    CUresult e = get_stream(h, &s);
-    if (!e)
-        e = memset_on(s, dst, v, n, OP_MEMSET8, 0);
-    pthread_mutex_unlock(&g_mu);
-    return e;
+    return memset_api("cuMemsetD8Async", h, dst, v, n, OP_MEMSET8, 0);
 }
 
 /* -- memory pools (the device's default pool only) -------------------------------------- */
@@ -2127,6 +2514,7 @@ static const struct {
     {709, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
     {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
      "part or all of the requested memory range is already mapped"},
+    {800, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered "
                                                    "memory region"},
     {719, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
@@ -2135,6 +2523,8 @@ static const struct {
 };
 
 EXPORT CUresult cuGetErrorName(CUresult e, const char **out) {
+    if (hostfn_calls("cuGetErrorName"))
+        return CUDA_ERROR_NOT_PERMITTED_;
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < sizeof g_errors / sizeof g_errors[0]; i++) {
@@ -2148,6 +2538,8 @@ EXPORT CUresult cuGetErrorName(CUresult e, const char **out) {
 }
 
 EXPORT CUresult cuGetErrorString(CUresult e, const char **out) {
+    if (hostfn_calls("cuGetErrorString"))
+        return CUDA_ERROR_NOT_PERMITTED_;
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < sizeof g_errors / sizeof g_errors[0]; i++) {
@@ -2249,6 +2641,8 @@ static const proc_t g_procs[] = {
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
                                     unsigned long long flags, int *status) {
     (void)flags; /* default / legacy / per-thread stream variants are the same functions here */
+    if (hostfn_calls("cuGetProcAddress"))
+        return CUDA_ERROR_NOT_PERMITTED_;
     if (!symbol || !pfn)
         return CUDA_ERROR_INVALID_VALUE;
     int found_name = 0;
@@ -2288,6 +2682,9 @@ static long long *cfg_field(const char *key) {
     if (!strcmp(key, "lose_after_copies")) return &cfg.lose_after_copies;
     if (!strcmp(key, "unmap_pinned_on_reset")) return &cfg.unmap_pinned_on_reset;
     if (!strcmp(key, "host_wait_limit_ns")) return &cfg.host_wait_limit_ns;
+    if (!strcmp(key, "pageable_staging_limit")) return &cfg.pageable_staging_limit;
+    if (!strcmp(key, "abort_on_misuse")) return &cfg.abort_on_misuse;
+    if (!strcmp(key, "strict_loop_sync")) return &cfg.strict_loop_sync;
     return NULL;
 }
 
@@ -2297,6 +2694,7 @@ static long long *stat_field(const char *key) {
     S(watched_pageable); S(watched_blocking); S(watched_blocking_ns); S(streams_created);
     S(streams_live); S(threads_live); S(events_created); S(device_allocs); S(pinned_allocs);
     S(abandoned_ops); S(sticky_errors); S(wait_values); S(write_values); S(max_queue);
+    S(misuses); S(sync_calls); S(sync_waits); S(sync_waiting); S(host_waiting); S(loop_threads);
 #undef S
     return NULL;
 }
@@ -2395,8 +2793,12 @@ EXPORT int cuemu_reset_contexts(void) {
         if (c->refs > 0 || c->active) {
             n += c->refs > 0;
             c->refs = 0;
-            if (c->active)
-                ctx_reset(c);
+            if (c->active) {
+                sync_begin(c, "cuemu_reset_contexts", 0);
+                ctx_reset(c, "its context was destroyed by cuemu_reset_contexts (the test "
+                             "reset every context)");
+                sync_end(c);
+            }
         }
     }
     pthread_mutex_unlock(&g_mu);
@@ -2410,7 +2812,52 @@ EXPORT void cuemu_reset(void) {
     set_defaults();
     cfg.devices = devices; /* the device count is the caller's to change */
     g_nfaults = 0;
+    memset(g_loop_tids, 0, sizeof g_loop_tids);
+    st.loop_threads = 0;
     pthread_mutex_unlock(&g_mu);
+}
+
+/* Rule 5: mark thread `tid` (0: the calling thread) as an event loop. From then on any driver
+ * call from it that has to wait (for the device: the synchronising calls, cuStreamSynchronize,
+ * cuEventSynchronize, synchronous or large pageable copies; or behind another thread's
+ * context-synchronising call) is a misuse, decided by the kind of call, never by timing.
+ * Returns 0, or -1 when MAX_LOOP_THREADS are marked already. cuemu_reset unmarks all. */
+EXPORT int cuemu_mark_loop_thread(long tid) {
+    if (!tid)
+        tid = my_tid();
+    pthread_mutex_lock(&g_mu);
+    int rc = -1;
+    if (is_loop_thread(tid)) {
+        rc = 0;
+    } else {
+        for (int i = 0; i < MAX_LOOP_THREADS; i++) {
+            if (!g_loop_tids[i]) {
+                g_loop_tids[i] = tid;
+                st.loop_threads++;
+                rc = 0;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+/* Unmark thread `tid` (0: the calling thread); returns 1 if it was marked, else 0. */
+EXPORT int cuemu_unmark_loop_thread(long tid) {
+    if (!tid)
+        tid = my_tid();
+    pthread_mutex_lock(&g_mu);
+    int rc = 0;
+    for (int i = 0; i < MAX_LOOP_THREADS; i++) {
+        if (g_loop_tids[i] == tid) {
+            g_loop_tids[i] = 0;
+            st.loop_threads--;
+            rc = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 EXPORT const char *cuemu_identity(void) {

@@ -6,7 +6,9 @@ driver: a machine without a GPU or driver gets a factory that offers no
 device and says why (``Environment.load_errors["cuda"]``).
 
 Layout: ``_driver`` (the driver boundary: loading, result checks, contexts),
-``_device`` (per-GPU state, event pool), ``_stream`` (CUstream / CUevent),
+``_device`` (per-GPU state: the process-wide shared context, event pool and memory pools,
+released only at the last close), ``_pool`` (the caching pools: nothing synchronises while
+an environment runs), ``_stream`` (CUstream / CUevent),
 ``_wake`` (the GIL-free ``sem_post`` wake-up and its dispatcher thread),
 ``_allocator``, ``_transfer``, ``_dlpack``, ``_factory``.
 """

@@ -152,6 +152,7 @@ class SharedDevice:
         self.alloc_gen = 0  # bumped when an allocation on the helper may not be done yet
         self._gate_bases: list[int] = []
         self.gate_free: list[int] = []
+        self._tails: list[Any] = []  # events recorded last on streams destroyed so far
         self.released = False
 
     # -- memory functions of the pools -------------------------------------------------------
@@ -246,6 +247,20 @@ class SharedDevice:
             self.gate_free.append(addr)
 
     # -- lifetime -----------------------------------------------------------------------------
+    def destroy_stream(self, cu: Any) -> None:
+        """``cuStreamDestroy`` after recording a tail event on it: the stream's queued work
+        still runs, and :meth:`release` waits for that event (not for the whole context)."""
+        drv = driver()
+        with ctx_current(self.ctx):
+            err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            if err == drv.CUresult.CUDA_SUCCESS:
+                if drv.cuEventRecord(event, cu)[0] == drv.CUresult.CUDA_SUCCESS:
+                    with self.lock:
+                        self._tails.append(event)
+                else:
+                    drv.cuEventDestroy(event)
+            drv.cuStreamDestroy(cu)
+
     def busy(self) -> bool:
         """Memory made in the context still held by someone (pinned blocks, buffers)."""
         return bool(self.pinned.in_use_bytes or self.device_cache.in_use_bytes or self.held)
@@ -258,16 +273,24 @@ class SharedDevice:
             _release_if_idle(self, inline=False)
 
     def release(self) -> None:
-        """Wait for the device, give every cached resource back, release the context.
+        """Wait for this process's work on the device, give every cached resource back,
+        release the context.
 
-        Synchronising: called by the last environment's close, off the event loop, with
-        nothing held. A broken context (a sticky error) makes every call return at once.
+        Off the event loop, with nothing held. The wait is for the work of the streams the
+        backend made (the tail event of each destroyed stream, the helper stream's last
+        work), not a context synchronisation; the frees that follow then find the backend's
+        streams idle. A broken context (a sticky error) makes every call return at once.
         """
         drv = driver()
         self.released = True
         try:
             with ctx_current(self.ctx):
-                call_nogil("cuCtxSynchronize")
+                if self._helper is not None:
+                    drv.cuEventRecord(self._ready, self._helper)
+                    call_nogil("cuEventSynchronize", int(self._ready))
+                for event in self._tails:
+                    call_nogil("cuEventSynchronize", int(event))
+                    drv.cuEventDestroy(event)
                 self.pinned.release_all()
                 self.device_cache.release_all()
                 for base in self._gate_bases:
@@ -277,6 +300,7 @@ class SharedDevice:
                     drv.cuStreamDestroy(self._helper)
             self.events.close()
         finally:
+            self._tails.clear()
             self._gate_bases.clear()
             self.gate_free.clear()
             self._helper = self._ready = None
@@ -368,8 +392,7 @@ class CudaDevice:
             )
         )
         self.shared = acquire_shared(ordinal, self.cu_device)
-        if pinned_pool_limit != -1 or self.shared.users == 1:
-            self.shared.pinned.limit = pinned_pool_limit
+        self.shared.pinned.limit = pinned_pool_limit  # per process: the last opened sets it
         self.ctx = self.shared.ctx
         self.events = self.shared.events
         self._released = False
@@ -477,12 +500,12 @@ class CudaDevice:
         self._released = True
         drv = driver()
         try:
-            with ctx_current(self.ctx):
-                if self._side is not None:
-                    drv.cuStreamDestroy(self._side)
-                for stream, event, _ in self._copy_streams:
+            if self._side is not None:
+                self.shared.destroy_stream(self._side)
+            for stream, event, _ in self._copy_streams:
+                with ctx_current(self.ctx):
                     drv.cuEventDestroy(event)
-                    drv.cuStreamDestroy(stream)
+                self.shared.destroy_stream(stream)
         finally:
             self._side = None
             self._copy_streams.clear()

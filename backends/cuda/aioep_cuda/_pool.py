@@ -112,15 +112,13 @@ class CachingPool:
         size = self._round(max(nbytes, 1))
         with self._lock:
             block = self._reuse(self._idle.get(size, ()))
-            if block is None:
-                over = self.limit >= 0 and self._held + size > self.limit
-            else:
-                over = False
+            over = block is None and 0 <= self.limit < self._held + size
+        refused = ""
         if block is None and not over:
             try:
                 ptr = self._allocate(size)
-            except DeviceError:
-                ptr = 0
+            except DeviceError as exc:
+                ptr, refused = 0, str(exc)
             if ptr:
                 block = Block(ptr, size)
                 with self._lock:
@@ -131,11 +129,11 @@ class CachingPool:
                 bigger = [b for s, blocks in sorted(self._idle.items()) if s > size for b in blocks]
                 block = self._reuse(bigger)
             if block is None:
-                limit = f"its limit of {self.limit} bytes" if self.limit >= 0 else "the driver"
+                why = refused or f"its limit of {self.limit} bytes refused more"
                 raise DeviceError(
                     f"CUDA {self.what} pool (device {self._shared.ordinal}): {nbytes} bytes "
                     f"could not be allocated: {self._held} bytes are held ({self._in_use} in "
-                    f"use), and {limit} refused more"
+                    f"use), and {why}"
                 )
         with self._lock:
             self._in_use += block.size

@@ -144,7 +144,7 @@ class _Piece:
         self.frm: npt.NDArray[np.uint8] | None = None
 
 
-OnDone = Callable[["StagedJob", CudaStream], None]
+OnDone = Callable[["StagedJob", "CudaStream | None"], None]
 
 
 class StagedJob:
@@ -152,7 +152,8 @@ class StagedJob:
 
     ``on_done(job, stream)`` runs on a worker once every upload is enqueued on ``stream``
     and every download has landed (``job.error`` says whether it all went well); work
-    the caller enqueues on ``stream`` there is ordered after the uploads. ``keep`` (the
+    the caller enqueues on ``stream`` there is ordered after the uploads (``stream`` is
+    None if the staging streams could not be made: then nothing reached the device). ``keep`` (the
     host memory the workers read or write) is let go right after; :attr:`released` is
     set once the device work has completed too.
     """
@@ -498,9 +499,9 @@ class Stager:
         self._piece_done(piece)
 
     def _upload(self, piece: _Piece, chunk: _Chunk) -> None:
-        up, _ = self._get_streams()
         drv = driver()
         try:
+            up, _ = self._get_streams()
             with up.lock, ctx_current(self.device.ctx):
                 up.fence()
                 check(
@@ -516,9 +517,9 @@ class Stager:
     def _download(self, piece: _Piece) -> None:
         chunk = piece.chunk
         assert chunk is not None
-        _, down = self._get_streams()
         drv = driver()
         try:
+            _, down = self._get_streams()
             with down.lock, ctx_current(self.device.ctx):
                 down.fence()
                 check(
@@ -541,9 +542,9 @@ class Stager:
 
     def _direct(self, piece: _Piece) -> None:
         """Unstaged (``chunks=0``): the driver's own pageable copy, issued by this worker."""
-        up, down = self._get_streams()
-        stream = up if piece.kind == H2D else down
         try:
+            up, down = self._get_streams()
+            stream = up if piece.kind == H2D else down
             with stream.lock, ctx_current(self.device.ctx):
                 stream.fence()
                 check(
@@ -591,13 +592,13 @@ class Stager:
             self._finish(job)
 
     def _finish(self, job: StagedJob) -> None:
+        stream: CudaStream | None
         try:
             up, down = self._get_streams()
-        except BaseException as exc:
+            stream = up if job.h2d else down
+        except BaseException as exc:  # no staging stream: nothing reached the device
             job.fail(exc)
-            self._released(job, None)
-            return
-        stream = up if job.h2d else down
+            stream = None
         if job.on_done is not None:
             try:
                 job.on_done(job, stream)
@@ -606,7 +607,10 @@ class Stager:
         # The host side is done: the host memory is let go now.
         job.keep = ()
         job.on_done = None
-        self._after(stream, functools.partial(self._released, job))
+        if stream is None:
+            self._released(job, None)
+        else:
+            self._after(stream, functools.partial(self._released, job))
 
     def _released(self, job: StagedJob, error: BaseException | None) -> None:
         if error is not None:

@@ -85,6 +85,16 @@ class CudaStream(StreamImpl):
 
     @property
     def handle(self) -> int:
+        """The ``CUstream`` as an int. Before handing it out, the stream is made to wait (on
+        the device) for allocations made without a stream so far, so that work another library
+        enqueues on it sees them (as the backend's own copies do)."""
+        if self.alloc_seen < self.device.shared.alloc_gen and not self.closed:
+            with self.lock:
+                if not self.closed:
+                    try:
+                        self.fence()
+                    except DeviceError:  # a broken context: the work will fail anyway
+                        pass
         return self._handle
 
     def create_notification(self) -> CudaNotification:
@@ -95,12 +105,19 @@ class CudaStream(StreamImpl):
         self.seq += 1
 
     def gate_errors_between(self, lo: int, hi: int) -> BaseException | None:
-        """The first pageable-copy failure with a gate value in ``(lo, hi]``."""
+        """The first pageable-copy failure with a gate value in ``(lo, hi]``, as a new
+        exception: the one kept here is never raised (a raise would attach the awaiting
+        frames, and this long-lived stream would keep their tensors alive)."""
         if not self.gate_errors:
             return None
         for value in sorted(self.gate_errors):
             if lo < value <= hi:
-                return self.gate_errors[value]
+                kept = self.gate_errors[value]
+                return (
+                    DeviceError(str(kept))
+                    if isinstance(kept, DeviceError)
+                    else DeviceError(f"{type(kept).__name__}: {kept}")
+                )
         return None
 
     def close(self) -> None:
@@ -120,9 +137,7 @@ class CudaStream(StreamImpl):
                 except DeviceError:  # a broken context: nothing will wait on the word again
                     end = None
             self.closed = True
-            drv = driver()
-            with ctx_current(self.device.ctx):
-                drv.cuStreamDestroy(self.cu)
+            self.device.shared.destroy_stream(self.cu)
         self.dispatcher.retire(self.key)
         if gate is None:
             self.gate_released.set()

@@ -89,7 +89,7 @@ class PageableCopier:
                     "cuStreamWriteValue32",
                 )
         except BaseException as exc:  # the context is broken: S fails with it too
-            stream.gate_errors.setdefault(value, exc)
+            stream.gate_errors.setdefault(value, exc.with_traceback(None))
 
     def close(self) -> None:
         """Open every gate whose prerequisites have not completed yet (a stream still held
@@ -102,11 +102,14 @@ class PageableCopier:
             job.abandon()
 
 
-def _open_gate(job: _GateJob, staged: StagedJob, stream: CudaStream) -> None:
+def _open_gate(job: _GateJob, staged: StagedJob, stream: CudaStream | None) -> None:
     """The staged copies of ``job`` are done (uploads enqueued on ``stream``): let the
     caller's stream go on the device once they have landed."""
-    if staged.error is not None:
-        job.stream.gate_errors[job.value] = staged.error
+    if staged.error is not None:  # kept without its traceback (which holds tensors)
+        job.stream.gate_errors[job.value] = staged.error.with_traceback(None)
+    if stream is None:  # no staging stream could be made: nothing was copied
+        PageableCopier._release(job.stream, job.addr, job.value)
+        return
     drv = driver()
     try:
         with stream.lock, ctx_current(stream.device.ctx):
@@ -116,7 +119,7 @@ def _open_gate(job: _GateJob, staged: StagedJob, stream: CudaStream) -> None:
             )
             stream.enqueued()
     except BaseException as exc:  # the context is broken: S fails with it too
-        job.stream.gate_errors.setdefault(job.value, exc)
+        job.stream.gate_errors.setdefault(job.value, exc.with_traceback(None))
 
 
 class _GateJob:
@@ -366,8 +369,10 @@ class CudaDataTransfer(DataTransfer):
             int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
         )[0]
         if err != drv.CUresult.CUDA_SUCCESS:
-            # Unsupported here: the job never runs; fall back for good.
             self._pageable.untrack(job)
+            if err != drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a broken context, say
+                raise DeviceError(f"cuStreamWaitValue32 on {stream!r} failed: {error_name(err)}")
+            # Unsupported here: the job never runs; fall back for good.
             self._stream_mem_ops = False
             return False
         stream.gate_value = value
