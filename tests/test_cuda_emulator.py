@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from cuda_emulator import Emulator, child_env, select_driver
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
 
 drv = pytest.importorskip("cuda.bindings.driver")
 pytest.importorskip("aioep_cuda")
@@ -799,7 +801,8 @@ def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
         cuda.ok(drv.cuMemcpyAsync(dev, small.ctypes.data, 4096, s))  # staged
         cuda.ok(drv.cuMemcpyAsync(dev, pinned, 4096, s))
         cuda.ok(drv.cuMemcpyAsync(pinned, dev, 4096, s))
-        cuda.ok(drv.cuMemsetD32(dev, 7, 16))  # device memory: asynchronous
+        plain = cuda.ok(drv.cuMemAlloc(64))
+        cuda.ok(drv.cuMemsetD32(plain, 7, 16))  # device memory: asynchronous for the host
         cuda.ok(drv.cuMemsetD32Async(dev, 7, 16, s))
         cuda.ok(drv.cuEventRecord(ev, s))
         cuda.ok(drv.cuStreamWaitEvent(t, ev, 0))
@@ -818,7 +821,83 @@ def test_a_marked_loop_thread_may_enqueue_record_and_query(cuda: Cuda) -> None:
     cuda.ok(drv.cuStreamSynchronize(t))  # unmarked: waiting is fine
     assert emu.get("misuses") == misuses + 1
     assert sem.value == 1
+    cuda.ok(drv.cuMemFree(plain))
     cuda.ok(drv.cuEventDestroy(ev))
     cuda.ok(drv.cuMemFreeHost(pinned))
     for x in (s, t):
         cuda.ok(drv.cuStreamDestroy(x))
+
+
+@emulator_only
+def test_the_watched_thread_can_count_as_a_loop_thread(cuda: Cuda) -> None:
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
+    emu.set("watch_tid", threading.get_native_id())
+    s = cuda.stream()
+    misuses = emu.get("misuses")
+    cuda.ok(drv.cuStreamSynchronize(s))
+    assert emu.get("misuses") == misuses  # watched only: counted, not refused
+    emu.set("watch_is_loop", 1)
+    cuda.ok(drv.cuStreamSynchronize(s))
+    assert emu.get("misuses") == misuses + 1
+    violation = emu.take_violation()
+    assert violation is not None
+    assert "cuStreamSynchronize called on the marked event-loop thread" in violation
+    emu.set("watch_is_loop", 0)  # the fixture releases the context on this thread
+    cuda.ok(drv.cuStreamDestroy(s))
+
+
+@emulator_only
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=hs.lists(
+        hs.tuples(hs.sampled_from(["stream", "event", "destroy", "use"]), hs.integers(0, 1 << 16)),
+        max_size=40,
+    )
+)
+def test_every_stale_handle_is_caught_however_many_were_made_since(
+    cuda: Cuda, ops: list[tuple[str, int]]
+) -> None:
+    """Any interleaving of creating, destroying and using streams and events: a live handle
+    works, a destroyed one is a misuse every time, and no value is ever handed out twice."""
+    assert cuda.emulator is not None
+    emu = cuda.emulator
+    emu.set("abort_on_misuse", 0)
+    live: dict[int, tuple[str, Any]] = {}
+    dead: dict[int, str] = {}
+    seen: set[int] = set()
+    for op, pick in ops:
+        if op in ("stream", "event"):
+            handle = cuda.stream() if op == "stream" else cuda.ok(drv.cuEventCreate(2))
+            assert int(handle) not in seen  # never reused
+            seen.add(int(handle))
+            live[int(handle)] = (op, handle)
+        elif op == "destroy" and live:
+            key = sorted(live)[pick % len(live)]
+            kind, handle = live.pop(key)
+            destroy = drv.cuStreamDestroy if kind == "stream" else drv.cuEventDestroy
+            cuda.ok(destroy(handle))
+            dead[key] = kind
+        elif op == "use" and (live or dead):
+            keys = sorted(live) + sorted(dead)
+            key = keys[pick % len(keys)]
+            kind = live[key][0] if key in live else dead[key]
+            query = drv.cuStreamQuery if kind == "stream" else drv.cuEventQuery
+            handle = drv.CUstream(key) if kind == "stream" else drv.CUevent(key)
+            misuses = emu.get("misuses")
+            err = query(handle)[0]
+            if key in live:
+                assert err == R.CUDA_SUCCESS
+                assert emu.get("misuses") == misuses
+            else:
+                assert err == R.CUDA_ERROR_INVALID_HANDLE
+                assert emu.get("misuses") == misuses + 1
+                violation = emu.take_violation()
+                assert violation is not None
+                assert f"{kind} {key:#x} used after it was destroyed" in violation
+    for kind, handle in live.values():
+        cuda.ok((drv.cuStreamDestroy if kind == "stream" else drv.cuEventDestroy)(handle))
+    emu.set("abort_on_misuse", 1)

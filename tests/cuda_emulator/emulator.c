@@ -130,6 +130,7 @@ static struct {
     long long abort_on_misuse;        /* 1: a misuse aborts the process; 0: a violation */
     long long strict_loop_sync;       /* a synchronising call with work in flight while a loop
                                          thread is marked is a misuse */
+    long long watch_is_loop;          /* the watch_tid thread counts as a marked loop thread */
 } cfg;
 
 static struct {
@@ -172,6 +173,7 @@ static void set_defaults(void) {
     cfg.pageable_staging_limit = env_ll("CUEMU_PAGEABLE_STAGING_LIMIT", 4LL << 20);
     cfg.abort_on_misuse = env_ll("CUEMU_ABORT_ON_MISUSE", 1);
     cfg.strict_loop_sync = env_ll("CUEMU_STRICT_LOOP_SYNC", 1);
+    cfg.watch_is_loop = env_ll("CUEMU_WATCH_IS_LOOP", 0);
 }
 
 __attribute__((constructor)) static void emulator_init(void) {
@@ -220,6 +222,22 @@ static long my_tid(void) { return (long)syscall(SYS_gettid); }
  * the call to stderr and aborts the process (the default: the real driver crashes or hangs
  * there, so a test must not go on), or, with abort_on_misuse = 0, is recorded as a violation
  * and the call fails (or, for the loop rules, goes on). */
+static void say_misuse(const char *prefix, const char *msg, int fatal) {
+    char line[sizeof g_violation + 64];
+    int n = snprintf(line, sizeof line, "aioep CUDA emulator: %s: %s\n", prefix, msg);
+    if (n > (int)sizeof line - 1)
+        n = (int)sizeof line - 1;
+    if (write(2, line, (size_t)n) < 0) {
+    }
+    /* pytest captures fd 2 during a test (and an abort loses the capture): a copy of the
+     * real stderr taken before, named "pid:fd" (tests/conftest.py), gets a fatal line too */
+    const char *copy = fatal ? getenv("CUEMU_STDERR_FD") : NULL;
+    long pid = 0, fd = -1;
+    if (copy && sscanf(copy, "%ld:%ld", &pid, &fd) == 2 && pid == (long)getpid() && fd > 2)
+        if (write((int)fd, line, (size_t)n) < 0) {
+        }
+}
+
 static void misuse(const char *fmt, ...) {
     char msg[sizeof g_violation];
     va_list ap;
@@ -228,21 +246,10 @@ static void misuse(const char *fmt, ...) {
     va_end(ap);
     st.misuses++;
     if (cfg.abort_on_misuse) {
-        char line[sizeof msg + 64];
-        int n = snprintf(line, sizeof line, "aioep CUDA emulator: MISUSE: %s\n", msg);
-        if (n > (int)sizeof line - 1)
-            n = (int)sizeof line - 1;
-        if (write(2, line, (size_t)n) < 0) {
-        }
-        /* pytest captures fd 2 during a test (and an abort loses the capture): a copy of the
-         * real stderr taken before, named "pid:fd" (tests/conftest.py), gets the line too */
-        const char *copy = getenv("CUEMU_STDERR_FD");
-        long pid = 0, fd = -1;
-        if (copy && sscanf(copy, "%ld:%ld", &pid, &fd) == 2 && pid == (long)getpid() && fd > 2)
-            if (write((int)fd, line, (size_t)n) < 0) {
-            }
+        say_misuse("MISUSE", msg, 1);
         abort();
     }
+    say_misuse("MISUSE (recorded, abort_on_misuse=0)", msg, 0); /* pytest shows it if it fails */
     violation("MISUSE: %s", msg);
 }
 
@@ -250,11 +257,19 @@ static void misuse(const char *fmt, ...) {
 #define MAX_LOOP_THREADS 16
 static long g_loop_tids[MAX_LOOP_THREADS];
 
+/* watch_is_loop (CUEMU_WATCH_IS_LOOP=1): the watch_tid thread counts as marked too, so a
+ * test suite that watches its event loop (tests/test_cuda.py) runs under rule 5 unchanged. */
 static int is_loop_thread(long tid) {
+    if (cfg.watch_is_loop && cfg.watch_tid && tid == cfg.watch_tid)
+        return 1;
     for (int i = 0; i < MAX_LOOP_THREADS; i++)
         if (g_loop_tids[i] == tid)
             return 1;
     return 0;
+}
+
+static int any_loop_thread(void) {
+    return st.loop_threads || (cfg.watch_is_loop && cfg.watch_tid);
 }
 
 /* Rule 5: a call from a marked event-loop thread that has to wait for the device (lock held). */
@@ -262,7 +277,7 @@ static void loop_waits(const char *call, const char *why) {
     long me = my_tid();
     if (cfg.watch_tid && me == cfg.watch_tid)
         st.watched_blocking++; /* the watched thread made a call that waits (or would) */
-    if (st.loop_threads && is_loop_thread(me))
+    if (any_loop_thread() && is_loop_thread(me))
         misuse("%s called on the marked event-loop thread (tid %ld) waits for the device: %s",
                call, me, why);
 }
@@ -852,7 +867,7 @@ static int wait_behind_sync(ctx_t *c, const char *call) {
     long me = my_tid();
     if (!c || !c->sync_owner || c->sync_owner == me)
         return 0;
-    if (st.loop_threads && is_loop_thread(me))
+    if (any_loop_thread() && is_loop_thread(me))
         misuse("%s called on the marked event-loop thread (tid %ld) waits behind %s on thread "
                "%ld, which synchronises device %d's context (until every stream is idle) and "
                "holds the context meanwhile",
@@ -888,7 +903,7 @@ static void sync_begin(ctx_t *c, const char *call, int check) {
     c->sync_owner = me;
     c->sync_call = call;
     st.sync_calls++;
-    if (check && cfg.strict_loop_sync && st.loop_threads && !is_loop_thread(me) &&
+    if (check && cfg.strict_loop_sync && any_loop_thread() && !is_loop_thread(me) &&
         work_in_flight(c))
         misuse("%s on thread %ld synchronises device %d's context while work is in flight and "
                "an event-loop thread is marked: until that work is done, every driver call on "
@@ -2685,6 +2700,7 @@ static long long *cfg_field(const char *key) {
     if (!strcmp(key, "pageable_staging_limit")) return &cfg.pageable_staging_limit;
     if (!strcmp(key, "abort_on_misuse")) return &cfg.abort_on_misuse;
     if (!strcmp(key, "strict_loop_sync")) return &cfg.strict_loop_sync;
+    if (!strcmp(key, "watch_is_loop")) return &cfg.watch_is_loop;
     return NULL;
 }
 

@@ -69,7 +69,7 @@ class CudaDeviceAllocator(Allocator):
         self.device = device
         self.mode = mode if device.memory_pools else "sync"
         self._blocks: dict[int, Block] = {}
-        self._blocks_lock = threading.Lock()
+        self._blocks_lock = threading.RLock()
 
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
         dev = self.device
@@ -164,7 +164,7 @@ class CudaPinnedAllocator(Allocator):
         super().__init__(device.pinned_info)
         self.device = device
         self._holds: dict[int, _PinnedHold] = {}
-        self._holds_lock = threading.Lock()
+        self._holds_lock = threading.RLock()
 
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
         pool = self.device.pinned

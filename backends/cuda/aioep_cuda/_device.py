@@ -41,7 +41,7 @@ class EventPool:
         self._keep = keep
         self._free: list[Any] = []
         self._all: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.dead = False
         self.created = 0
 
@@ -114,7 +114,9 @@ def _on_event_loop() -> bool:
 
 
 _registry: dict[int, SharedDevice] = {}
-_registry_lock = threading.Lock()
+# The backend's locks are re-entrant: memory and events come back from finalizers, which a
+# garbage collection may run on a thread that already holds the lock they need.
+_registry_lock = threading.RLock()
 
 
 class SharedDevice:
@@ -137,7 +139,7 @@ class SharedDevice:
         self.cu_device = cu_device
         self.ctx = check(drv.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain")
         self.users = 0
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.events = EventPool(self)
         self.pinned = CachingPool(self, "pinned", self._host_alloc, self._host_free)
         """Page-locked host memory (``cuMemHostAlloc``), reused by size class."""
@@ -404,7 +406,7 @@ class CudaDevice:
             MemoryDevice(DeviceType.GPU, MemoryType.HOST_ACCESSIBLE, NVIDIA_VENDOR_ID, ordinal),
             256,
         )
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._side: Any = None  # the pageable-copy worker's stream
         self._local = threading.local()
         self._copy_streams: list[tuple[Any, Any, list[int]]] = []

@@ -85,7 +85,7 @@ class CachingPool:
         self._release = release
         self.limit = limit
         self._round = round
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a finalizer (a give) run by a GC in here
         self._idle: dict[int, list[Block]] = {}
         self._held = 0  # bytes of every block the pool made and has not released
         self._in_use = 0

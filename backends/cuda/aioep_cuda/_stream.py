@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import threading
@@ -279,8 +280,11 @@ class CudaNotification(NotificationImpl):
             self._done = gen
             self._error = error
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        # Each callback is dropped before the next runs: what a callback holds (a copy's
+        # tensors) must not stay referenced from this thread once the awaiting task resumed.
+        callbacks.reverse()
+        while callbacks:
+            callbacks.pop()()
 
     def _check(self, gen: int) -> bool:
         """The dispatcher's waiter: True once generation ``gen`` is complete (or stale)."""
@@ -303,8 +307,11 @@ class CudaNotification(NotificationImpl):
         return done
 
     def error(self) -> BaseException | None:
+        """A new copy of the failure each time: the caller raises it, which attaches the
+        raising frames, and the one kept here must not keep them (and their tensors) alive."""
         with self._lock:
-            return self._error
+            error = self._error
+        return None if error is None else copy.copy(error).with_traceback(None)
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
         with self._lock:

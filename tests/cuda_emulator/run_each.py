@@ -1,6 +1,6 @@
 """Run every test function of a test file in its own process and say how each ended.
 
-    python tests/cuda_emulator/each_test.py tests/test_cuda.py [--timeout 90] [-k EXPR]
+    python tests/cuda_emulator/run_each.py tests/test_cuda.py [--timeout 90] [-k EXPR]
 
 Each function runs as ``python -m pytest FILE::NAME`` (all its parameters in that one
 process), so an abort or a crash in one never hides the others. Outcomes: ``pass``,
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 
-def test_functions(path: Path) -> list[str]:
+def functions_in(path: Path) -> list[str]:
     """The names of the module-level test functions of ``path``, in order."""
     tree = ast.parse(path.read_text())
     return [
@@ -69,6 +69,9 @@ def run_one(path: Path, name: str, timeout: float) -> tuple[str, str]:
     if done.returncode == 0:
         return ("skip" if "skipped" in summary and "passed" not in summary else "pass"), summary
     failures = [line for line in said.splitlines() if line.startswith(("FAILED", "ERROR", "E "))]
+    # recorded misuses (abort_on_misuse=0): every distinct one, not only the last violation
+    for line in dict.fromkeys(line.strip(". ") for line in said.splitlines() if "MISUSE" in line):
+        failures.insert(0, line)
     return "fail", "\n".join([*failures[:12], summary])
 
 
@@ -95,7 +98,7 @@ def main() -> int:
     parser.add_argument("-k", default="", help="only the names containing this")
     args = parser.parse_args()
     counts: dict[str, int] = {}
-    for name in test_functions(args.file):
+    for name in functions_in(args.file):
         if args.k and args.k not in name:
             continue
         outcome, detail = run_one(args.file, name, args.timeout)
