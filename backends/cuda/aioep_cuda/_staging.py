@@ -188,7 +188,7 @@ class StagedJob:
         self.released = threading.Event()
         self.h2d = any(p[0] == H2D for p in self._pairs)
         self.left = sum(self._count(p) for p in self._pairs)
-        """Pieces not finished yet."""
+        """Pieces not finished yet (then: the two steps of its release, see ``_finish``)."""
 
     def _size(self, pair: tuple[int, int, int, int]) -> int:
         kind, n = pair[0], pair[3]
@@ -599,23 +599,31 @@ class Stager:
         except BaseException as exc:  # no staging stream: nothing reached the device
             job.fail(exc)
             stream = None
-        if job.on_done is not None:
-            try:
-                job.on_done(job, stream)
-            except BaseException as exc:
-                job.fail(exc)
-        # The host side is done: the host memory is let go now.
-        job.keep = ()
-        job.on_done = None
+        # The release mark is recorded (and armed) before ``on_done`` lets the caller's
+        # stream go: once the caller sees the copy complete, this batch makes no driver
+        # call any more (the environment may be closing its device right then).
+        job.left = 2  # the release mark and on_done, in either order
         if stream is None:
             self._released(job, None)
         else:
             self._after(stream, functools.partial(self._released, job))
+        on_done, job.on_done = job.on_done, None
+        if on_done is not None:
+            try:
+                on_done(job, stream)
+            except BaseException as exc:
+                job.fail(exc)
+        # The host side is done: the host memory is let go now.
+        job.keep = ()
+        self._released(job, None)
 
     def _released(self, job: StagedJob, error: BaseException | None) -> None:
         if error is not None:
             job.fail(error)
         with self._cond:
+            job.left -= 1
+            if job.left:
+                return
             self._active -= 1
             self._cond.notify_all()
         job.released.set()
