@@ -823,7 +823,7 @@ async def test_pageable_copies_on_a_held_stream_never_block_the_loop(
     moves, and the event-loop thread never issues a (synchronous) pageable copy itself."""
     import anyio
 
-    n = 1 << 18
+    n = 3 << 20  # 12 MiB: past the driver's staging, a pageable copy waits for its stream
     data = np.arange(n, dtype=np.uint32)
     upload = data * 3  # pageable
     out = np.zeros_like(data)  # pageable
