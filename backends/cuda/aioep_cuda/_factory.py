@@ -30,6 +30,13 @@ from ._allocator import CudaDeviceAllocator, CudaPinnedAllocator
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._dlpack import CudaMemoryImporter
 from ._driver import check, driver, load_driver
+from ._staging import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_CHUNKS,
+    DEFAULT_THREADS,
+    Staging,
+    StagingOptions,
+)
 from ._stream import CudaStream
 from ._transfer import CudaDataTransfer
 from ._wake import Dispatcher
@@ -38,7 +45,12 @@ __all__ = ["CudaFactory", "CudaOptions"]
 
 _OWNER = "cuda backend"
 _CHOICES = {"allocator": ("async", "sync"), "wake": ("auto", "hostfn", "poll")}
-_KNOWN = (*_CHOICES, "pool_release_threshold", "pinned_pool_limit")
+_STAGING = {  # option: (minimum, maximum)
+    "staging_chunk_bytes": (1 << 10, 1 << 40),
+    "staging_chunks": (0, 1 << 12),
+    "staging_threads": (1, 256),
+}
+_KNOWN = (*_CHOICES, "pool_release_threshold", "pinned_pool_limit", *_STAGING)
 
 
 def _default_pinned_limit() -> int:
@@ -70,12 +82,32 @@ class CudaOptions:
             (in use and cached together; default: half the host's memory; -1: no limit).
             Pinned memory is never given back to the driver while an environment runs
             (``cuMemFreeHost`` synchronises the device): freed blocks are reused.
+        staging_chunk_bytes: size of one pinned staging chunk for copies to or from
+            pageable host memory (default 64 MiB).
+        staging_chunks: most staging chunks per device (default 4): the pinned staging
+            memory of a device is bounded by ``staging_chunks * staging_chunk_bytes``,
+            shared by every copy in flight; 0 turns staging off (the driver's own
+            pageable copies, issued by the staging threads).
+        staging_threads: worker threads per device that copy between pageable memory and
+            the chunks (default ``min(8, cpu_count)``).
+
+    The staging defaults come from one measurement of a hand-written pipeline on an H200
+    host and are provisional until ``benchmarks/cuda_pageable.py`` has measured this
+    implementation on a GPU.
     """
 
     allocator: str = "async"
     wake: str = "auto"
     pool_release_threshold: int = -1
     pinned_pool_limit: int = DEFAULT_PINNED_POOL_LIMIT
+    staging_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    staging_chunks: int = DEFAULT_CHUNKS
+    staging_threads: int = DEFAULT_THREADS
+
+    @property
+    def staging(self) -> StagingOptions:
+        """The staging options of pageable host copies."""
+        return StagingOptions(self.staging_chunk_bytes, self.staging_chunks, self.staging_threads)
 
     @classmethod
     def from_options(cls, options: FactoryOptions | None) -> CudaOptions:
@@ -107,6 +139,9 @@ class CudaOptions:
                 minimum=-1,
                 maximum=(1 << 63) - 1,
             )
+        for key, (lo, hi) in _STAGING.items():
+            if key in opts:
+                values[key] = parse_int_option(_OWNER, key, opts[key], minimum=lo, maximum=hi)
         return cls(**values)
 
 
@@ -128,6 +163,8 @@ class CudaFactory(EpFactory):
         self.devices: dict[int, CudaDevice] = {}
         self.dispatcher: Dispatcher | None = None
         self.transfers: list[CudaDataTransfer] = []
+        self.staging: Staging | None = None
+        """Pageable-copy staging, one stager per device (with the first data transfer)."""
         self._closed = False
         try:
             drv = load_driver()
@@ -230,7 +267,12 @@ class CudaFactory(EpFactory):
     def create_data_transfer(self) -> DataTransfer | None:
         if not self.devices:
             return None
-        transfer = CudaDataTransfer(self.devices, self)
+        if self.staging is None:
+            assert self.dispatcher is not None
+            self.staging = Staging(
+                self.options.staging, self.dispatcher, wake=self.options.wake, owner=self
+            )
+        transfer = CudaDataTransfer(self.devices, self, self.staging)
         self.transfers.append(transfer)
         return transfer
 
@@ -252,7 +294,7 @@ class CudaFactory(EpFactory):
 
     def close(self) -> None:
         """Open every pending pageable-copy gate (no stream stays held by a copy that will
-        never run), stop the dispatcher, destroy this factory's streams and leave the
+        never run), let the staged copies already queued finish, stop the dispatcher, destroy this factory's streams and leave the
         devices: the last environment on a device releases its shared state there (waiting
         for the device: the environment closes off the event loop)."""
         if self._closed:
@@ -260,6 +302,8 @@ class CudaFactory(EpFactory):
         self._closed = True
         for transfer in self.transfers:
             transfer.close()
+        if self.staging is not None:
+            self.staging.close()  # queued staged copies finish; chunks go back to the pool
         if self.dispatcher is not None:
             self.dispatcher.close()
         for dev in self.devices.values():

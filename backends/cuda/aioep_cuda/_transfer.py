@@ -3,37 +3,47 @@
 Pinned and device memory: every pair of a batch is enqueued on the one stream
 and the call returns at once. Pageable host memory is the exception: CUDA
 copies it synchronously (H2D returns once the data is staged, D2H once it has
-landed), so such a copy must not be issued on the event loop. Without a stream
-a batch of pinned and device memory is enqueued on the transfer's own stream of the
-device (:meth:`CudaDataTransfer.enqueue_unstreamed`: no thread hop, the dispatcher wakes
-the awaiter); a batch with pageable memory runs on the core's worker thread. With a stream the
+landed), and slowly (one thread, the driver's small staging buffer). Pageable
+pairs go through the device's :class:`~._staging.Stager` instead: pinned
+staging chunks, host copies spread over worker threads, device copies from the
+chunks overlapped with them. Without a stream a batch of pinned and device memory is
+enqueued on the transfer's own stream of the device
+(:meth:`CudaDataTransfer.enqueue_unstreamed`: no thread hop, the dispatcher wakes the
+awaiter); a batch with pageable memory runs on the core's worker thread, which waits for
+the staged pairs. With a stream the
 pageable pairs go through a *gate*:
 
 1. on the caller's stream S: record an event (the work before the copy), then
    ``cuStreamWaitValue32(S, gate, k, GEQ)``: later work on S waits on the device;
 2. when that event completes (the dispatcher wakes us, no thread blocks for it)
-   the factory's one pageable-copy thread issues the copies on its side stream
-   and then ``cuStreamWriteValue32(side, gate, k)``, which releases S on the
-   device once the data has moved.
+   the batch goes to the stager; once its uploads are enqueued and its downloads
+   have landed in host memory, a worker enqueues ``cuStreamWriteValue32(gate, k)``
+   on the stager's upload stream, after the uploads: S goes on once the data has
+   moved.
 
-The loop never blocks, stream order is kept, and no thread ever waits on a
-stream that could itself be waiting for that thread (no deadlock across
-streams). Where stream memory operations are unsupported, the pageable pairs
-are copied on the calling thread (documented fallback).
+Stream order is kept exactly as for any other copy on S: later work on S sees the
+data, and a staged copy *out of* a host array that an earlier staged copy on S
+writes starts only once S has passed that copy's gate, that is once the bytes are
+in the array (the ordering is on the device, through S itself; nothing waits on the
+host). The loop never blocks, and no thread ever waits on a stream that could
+itself be waiting for that thread (no deadlock across streams). Where stream
+memory operations are unsupported, the pageable pairs are copied on the calling
+thread (documented fallback).
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from aioep import DeviceError, DeviceType, MemoryDevice, MemoryType
+from aioep import DeviceError, DeviceType, MemoryDevice, MemoryType, Tensor
 from aioep.abc import CopyPair, DataTransfer, StreamImpl
 
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._driver import call_nogil, check, ctx_current, driver, error_name
+from ._staging import D2H, H2D, HOST, StagedJob, Staging
 from ._stream import CudaNotification, CudaStream
 
 __all__ = ["CudaDataTransfer", "PageableCopier"]
@@ -42,70 +52,34 @@ _Loc = tuple[str, CudaDevice | None]  # ("device", dev) | ("pinned", None) | ("p
 
 
 class PageableCopier:
-    """The factory's single thread that issues stream-gated pageable host copies."""
+    """Stream-gated pageable copies: keeps the gates whose prerequisites have not completed
+    (to open them at close) and hands ready ones to the device's :class:`Stager`."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[tuple[CudaStream, list[tuple[int, int, int]], int, int]] = (
-            collections.deque()
-        )
-        self._thread: threading.Thread | None = None
-        self._closed = False
+    def __init__(self, staging: Staging) -> None:
+        self.staging = staging
+        self._lock = threading.Lock()
         self._waiting: set[_GateJob] = set()
 
-    def submit(
-        self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
-    ) -> None:
-        """Queue a ready job (its prerequisites on ``stream`` are complete)."""
-        with self._cond:
-            if self._closed:
-                # Never leave the stream gated: release it without copying.
-                stream.gate_errors[value] = DeviceError("the CUDA backend closed before a copy ran")
-                self._release(stream, addr, value)
-                return
-            self._jobs.append((stream, jobs, addr, value))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="aioep-cuda-pageable", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify()
+    def submit(self, job: _GateJob) -> None:
+        """Stage a ready job (its prerequisites on its stream are complete); never blocks."""
+        stager = self.staging.stager(job.stream.device)
+        if stager.submit(job.pairs, job.keep, functools.partial(_open_gate, job)) is None:
+            # Never leave the stream gated: release it without copying.
+            job.stream.gate_errors[job.value] = DeviceError(
+                "the CUDA backend closed before a copy ran"
+            )
+            self._release(job.stream, job.addr, job.value)
+        job.keep = ()
 
     def track(self, job: _GateJob) -> None:
         """Note a gate job whose prerequisites have not completed yet."""
-        with self._cond:
+        with self._lock:
             self._waiting.add(job)
 
     def untrack(self, job: _GateJob) -> None:
         """The job was submitted (or abandoned)."""
-        with self._cond:
+        with self._lock:
             self._waiting.discard(job)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    if self._closed:
-                        return
-                    self._cond.wait()
-                stream, jobs, addr, value = self._jobs.popleft()
-            self._copy(stream, jobs, addr, value)
-
-    def _copy(
-        self, stream: CudaStream, jobs: list[tuple[int, int, int]], addr: int, value: int
-    ) -> None:
-        dev = stream.device
-        try:
-            side = int(dev.side_stream())
-            with ctx_current(dev.ctx):
-                for dst, src, n in jobs:
-                    check(
-                        call_nogil("cuMemcpyAsync", dst, src, n, side), "cuMemcpyAsync (pageable)"
-                    )
-        except BaseException as exc:
-            stream.gate_errors[value] = exc.with_traceback(None)
-        finally:
-            self._release(stream, addr, value)
 
     @staticmethod
     def _release(stream: CudaStream, addr: int, value: int) -> None:
@@ -121,38 +95,66 @@ class PageableCopier:
             stream.gate_errors.setdefault(value, exc.with_traceback(None))
 
     def close(self) -> None:
-        """Finish queued jobs, then stop the thread; idempotent. A gate whose prerequisites
-        have not completed yet (a stream still held on the device, or failed) is opened
-        without its copy (its futures fail with a :class:`DeviceError`), so that no stream of
-        the context waits for a copy that will never run."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
+        """Open every gate whose prerequisites have not completed yet (a stream still held
+        on the device, or failed) without its copy (its futures fail with a
+        :class:`DeviceError`), so that no stream of the context waits for a copy that will
+        never run; idempotent. The staged jobs already queued finish (:meth:`Staging.close`)."""
+        with self._lock:
             waiting, self._waiting = list(self._waiting), set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
         for job in sorted(waiting, key=lambda j: j.value):
             job.abandon()
+
+
+def _open_gate(job: _GateJob, staged: StagedJob, stream: CudaStream | None) -> None:
+    """The staged copies of ``job`` are done (uploads enqueued on ``stream``): let the
+    caller's stream go on the device once they have landed."""
+    if staged.error is not None:  # kept without its traceback (which holds tensors)
+        job.stream.gate_errors[job.value] = staged.error.with_traceback(None)
+    if stream is None:  # no staging stream could be made: nothing was copied
+        PageableCopier._release(job.stream, job.addr, job.value)
+        return
+    drv = driver()
+    try:
+        with stream.lock, ctx_current(stream.device.ctx):
+            check(
+                drv.cuStreamWriteValue32(stream.cu, job.addr, job.value & 0xFFFFFFFF, 0),
+                "cuStreamWriteValue32",
+            )
+            stream.enqueued()
+    except BaseException as exc:  # the context is broken: S fails with it too
+        job.stream.gate_errors.setdefault(job.value, exc.with_traceback(None))
 
 
 class _GateJob:
     """Runs a gated pageable copy once both its prerequisites completed and its gate is set."""
 
-    __slots__ = ("_copier", "_done", "_fired", "_lock", "_ready", "addr", "jobs", "stream", "value")
+    __slots__ = (
+        "_copier",
+        "_done",
+        "_fired",
+        "_lock",
+        "_ready",
+        "addr",
+        "keep",
+        "pairs",
+        "stream",
+        "value",
+    )
 
     def __init__(
         self,
         copier: PageableCopier,
         stream: CudaStream,
-        jobs: list[tuple[int, int, int]],
+        pairs: list[tuple[int, int, int, int]],
+        keep: list[Tensor],
         addr: int,
         value: int,
     ) -> None:
         self._copier = copier
         self._lock = threading.Lock()
         self._fired = self._ready = self._done = False
-        self.stream, self.jobs, self.addr, self.value = stream, jobs, addr, value
+        self.stream, self.pairs, self.addr, self.value = stream, pairs, addr, value
+        self.keep: Sequence[Tensor] = keep
 
     def _go(self) -> bool:
         # Called with the lock held: True exactly once, when both conditions hold.
@@ -167,7 +169,7 @@ class _GateJob:
             go = self._go()
         if go:
             self._copier.untrack(self)
-            self._copier.submit(self.stream, self.jobs, self.addr, self.value)
+            self._copier.submit(self)
 
     def gate_enqueued(self) -> None:
         with self._lock:
@@ -175,7 +177,7 @@ class _GateJob:
             go = self._go()
         if go:
             self._copier.untrack(self)
-            self._copier.submit(self.stream, self.jobs, self.addr, self.value)
+            self._copier.submit(self)
 
     def abandon(self) -> None:
         """At close: open the gate without copying (the copy's futures fail)."""
@@ -183,6 +185,7 @@ class _GateJob:
             if self._done or not self._ready:
                 return
             self._done = True
+        self.keep = ()
         self.stream.gate_errors[self.value] = DeviceError(
             "the CUDA backend closed before a pageable copy's stream reached it"
         )
@@ -194,10 +197,10 @@ class CudaDataTransfer(DataTransfer):
 
     max_inline_bytes = 0  # never copy on the event loop
 
-    def __init__(self, devices: Mapping[int, CudaDevice], owner: Any) -> None:
+    def __init__(self, devices: Mapping[int, CudaDevice], owner: Any, staging: Staging) -> None:
         self._devices = dict(devices)
         self._owner = owner
-        self._pageable = PageableCopier()
+        self._pageable = PageableCopier(staging)
         self._stream_mem_ops = True
         self._peer_done: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
@@ -234,18 +237,63 @@ class CudaDataTransfer(DataTransfer):
             assert isinstance(stream, CudaStream)
             self._enqueue(pairs, stream)
             return
-        # Synchronous (the core runs this on a worker thread): this thread's own stream.
+        # Synchronous (the core runs this on a worker thread): this thread's own stream;
+        # pageable pairs through the stager, at the same time.
         dev = self._batch_device(pairs)
-        cu, event, seen = dev.copy_stream()
-        drv = driver()
-        seen[0] = dev.shared.fence(cu, seen[0])
-        with ctx_current(dev.ctx):
-            for s, d in pairs:
-                if s.nbytes:
+        staged, keep, direct = self._split(pairs)
+        job: StagedJob | None = None
+        if staged:
+            job = self._pageable.staging.stager(dev).submit(staged, keep)
+            if job is None:
+                raise DeviceError("the CUDA backend is closed")
+        if direct:
+            cu, event, seen = dev.copy_stream()
+            drv = driver()
+            seen[0] = dev.shared.fence(cu, seen[0])
+            with ctx_current(dev.ctx):
+                for s, d in direct:
                     self._memcpy(d, s, cu)
-            check(drv.cuEventRecord(event, cu), "cuEventRecord")
-            # A blocking-sync event: the thread sleeps in the driver, it does not spin.
-            check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+                check(drv.cuEventRecord(event, cu), "cuEventRecord")
+                # A blocking-sync event: the thread sleeps in the driver, it does not spin.
+                check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+        # (An empty batch runs inline on the event loop: it must not wait for anything.)
+        if job is not None:
+            job.released.wait()
+            if job.error is not None:
+                raise job.error
+
+    def _split(
+        self, pairs: Sequence[CopyPair]
+    ) -> tuple[list[tuple[int, int, int, int]], list[Tensor], list[CopyPair]]:
+        """(staged ``(kind, dst, src, nbytes)``, their host tensors, the other pairs); empty
+        pairs are dropped."""
+        staged: list[tuple[int, int, int, int]] = []
+        keep: list[Tensor] = []
+        direct: list[CopyPair] = []
+        for s, d in pairs:
+            if not s.nbytes:
+                continue
+            kind = self._staged_kind(s, d)
+            if kind is None:
+                direct.append((s, d))
+            else:
+                staged.append((kind, d.data_ptr, s.data_ptr, s.nbytes))
+                # The host memory the staging threads read or write: kept until they are
+                # done with it, even if the copy's future failed first (a broken context).
+                # Device memory needs no such hold: the copy's future (or the synchronous
+                # caller) keeps it until the staged device copies have completed.
+                keep += (s, d) if kind == HOST else (s if kind == H2D else d,)
+        return staged, keep, direct
+
+    def _staged_kind(self, s: Tensor, d: Tensor) -> int | None:
+        """H2D, D2H or HOST for a pair with a pageable side, else None."""
+        src = self._locate(s.device, s.data_ptr)[0]
+        dst = self._locate(d.device, d.data_ptr)[0]
+        if src == "pageable":
+            return H2D if dst == "device" else HOST
+        if dst == "pageable":
+            return D2H if src == "device" else HOST
+        return None
 
     def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> CudaNotification | None:
         """Pinned and device memory only: enqueue the batch on this transfer's own stream of
@@ -301,12 +349,6 @@ class CudaDataTransfer(DataTransfer):
                 drv.cuMemcpyPeerAsync(d.data_ptr, ddev.ctx, s.data_ptr, sdev.ctx, s.nbytes, cu),
                 f"cuMemcpyPeerAsync(device {sdev.ordinal} -> {ddev.ordinal}, {s.nbytes} bytes)",
             )
-        elif "pageable" in (src_loc[0], dst_loc[0]):
-            # Synchronous for the host: without the GIL (see call_nogil).
-            check(
-                call_nogil("cuMemcpyAsync", d.data_ptr, s.data_ptr, s.nbytes, int(cu)),
-                f"cuMemcpyAsync({src_loc[0]} -> {dst_loc[0]}, {s.nbytes} bytes)",
-            )
         else:
             check(
                 drv.cuMemcpyAsync(d.data_ptr, s.data_ptr, s.nbytes, cu),
@@ -327,29 +369,23 @@ class CudaDataTransfer(DataTransfer):
 
     def _enqueue(self, pairs: Sequence[CopyPair], stream: CudaStream) -> None:
         dev = stream.device
-        pageable: list[tuple[int, int, int]] = []
         with stream.lock, ctx_current(dev.ctx):
             if stream.closed:
                 raise DeviceError(f"{stream!r} is closed")
             stream.fence()
-            for s, d in pairs:
-                if not s.nbytes:
-                    continue
-                if (
-                    self._locate(s.device, s.data_ptr)[0] == "pageable"
-                    or self._locate(d.device, d.data_ptr)[0] == "pageable"
-                ):
-                    pageable.append((d.data_ptr, s.data_ptr, s.nbytes))
-                else:
-                    self._memcpy(d, s, stream.cu)
+            staged, keep, direct = self._split(pairs)
+            for s, d in direct:
+                self._memcpy(d, s, stream.cu)
             stream.enqueued()
-            if pageable and not self._gate(stream, pageable):
+            if staged and not self._gate(stream, staged, keep):
                 # No stream memory operations: CUDA's own (synchronous) pageable copies.
-                for dst, src, n in pageable:
+                for _, dst, src, n in staged:
                     copied = call_nogil("cuMemcpyAsync", dst, src, n, int(stream.cu))
                     check(copied, "cuMemcpyAsync (pageable)")
 
-    def _gate(self, stream: CudaStream, jobs: list[tuple[int, int, int]]) -> bool:
+    def _gate(
+        self, stream: CudaStream, pairs: list[tuple[int, int, int, int]], keep: list[Tensor]
+    ) -> bool:
         if not self._stream_mem_ops:
             return False
         drv = driver()
@@ -364,7 +400,7 @@ class CudaDataTransfer(DataTransfer):
         before = stream.create_notification()
         before.activate()
         value = stream.gate_value + 1
-        job = _GateJob(self._pageable, stream, jobs, stream.gate_addr, value)
+        job = _GateJob(self._pageable, stream, pairs, keep, stream.gate_addr, value)
         self._pageable.track(job)
         # Arm before the wait is enqueued so the host function sits right after the event.
         before.add_done_callback(job.prerequisites_done)
