@@ -47,8 +47,15 @@ from typing import Any
 
 __all__ = ["FIGURES", "add_parser", "find_checkout", "judge", "main", "run_check", "run_tests"]
 
-_TESTS = ("tests/test_cuda.py", "tests/test_cuda_api.py", "tests/test_cuda_soak.py")
+_TESTS = (
+    "tests/test_cuda.py",
+    "tests/test_cuda_api.py",
+    "tests/test_cuda_soak.py",
+    "tests/test_cuda_staging.py",
+    "tests/test_foreign_tensors.py",
+)
 _BENCH = "benchmarks/cuda_copy.py"
+_PAGEABLE = "benchmarks/cuda_pageable.py"
 _ARENA = "benchmarks/arena.py"
 _GOOD = ("pass", "skip")
 _BUDGET = 480.0
@@ -73,6 +80,14 @@ def _best_wake(r: Mapping[str, Any]) -> float | None:
     if not isinstance(default, (int, float)) or len(known) < len(others):
         return None
     return float(default) / min(known)
+
+
+def _staging_within_bound(r: Mapping[str, Any]) -> float | None:
+    stats = _get(r, "cuda_pageable", "aioep_staged", "staging") or {}
+    peak, bound = stats.get("peak_bytes"), stats.get("bound_bytes")
+    if not isinstance(peak, int) or not isinstance(bound, int):
+        return None
+    return 1.0 if peak <= bound else 0.0
 
 
 FIGURES: list[tuple[str, str, Callable[[Mapping[str, Any]], Any], str, float, bool]] = [
@@ -141,6 +156,46 @@ FIGURES: list[tuple[str, str, Callable[[Mapping[str, Any]], Any], str, float, bo
         True,
     ),
     (
+        "pageable_h2d_vs_cupy",
+        "pageable (numpy) 1 GiB host-to-device, staged / CuPy's ndarray.set",
+        lambda r: _get(r, "cuda_pageable", "ratios", "h2d_vs_cupy"),
+        ">=",
+        2.5,
+        False,
+    ),
+    (
+        "pageable_h2d_vs_torch",
+        "pageable (numpy) 1 GiB host-to-device, staged / PyTorch's .cuda()",
+        lambda r: _get(r, "cuda_pageable", "ratios", "h2d_vs_torch"),
+        ">=",
+        2.5,
+        False,
+    ),
+    (
+        "pageable_d2h_vs_cupy",
+        "pageable (numpy) 1 GiB device-to-host, staged / CuPy's get",
+        lambda r: _get(r, "cuda_pageable", "ratios", "d2h_vs_cupy"),
+        ">=",
+        1.4,
+        False,
+    ),
+    (
+        "pageable_loop_lag_ms",
+        "event-loop lag during the staged pageable copies (ms)",
+        lambda r: _get(r, "cuda_pageable", "aioep_staged", "max_lag_ms"),
+        "<=",
+        2.0,
+        True,
+    ),
+    (
+        "pageable_staging_within_bound",
+        "peak pinned staging memory within its configured bound (1: yes)",
+        lambda r: _staging_within_bound(r),
+        "==",
+        1.0,
+        True,
+    ),
+    (
         "arena_vs_cupy_pool",
         "arena alloc+free pair rate on the GPU / CuPy's memory pool",
         lambda r: _get(r, "arena", "gpu", "ratio"),
@@ -183,6 +238,13 @@ def _why_missing(results: Mapping[str, Any], key: str) -> str:
         arena = results.get("arena") or {}
         skipped = _get(arena, "gpu", "skipped")
         return f"not measured: {skipped or _exit_text(arena)}"
+    if key.startswith("pageable_"):
+        pageable = results.get("cuda_pageable") or {}
+        for name in ("cupy", "torch"):
+            skipped = _get(pageable, name, "skipped")
+            if skipped and name in key:
+                return f"not measured: the {name} baseline was skipped: {skipped}"
+        return "not measured: " + _exit_text(pageable)
     bench = results.get("cuda_copy") or {}
     errors = bench.get("errors") or {}
     failed = [f"the {name} step failed: {errors[name]}" for name in _SECTION[key] if name in errors]
@@ -875,7 +937,11 @@ def run_check(
     with tempfile.TemporaryDirectory(prefix="aioep-check-gpu-") as tmp:
         scratch = Path(tmp)
         if benchmarks:
-            for key, script, share in (("cuda_copy", _BENCH, 0.7), ("arena", _ARENA, 0.8)):
+            for key, script, share in (
+                ("cuda_copy", _BENCH, 0.6),
+                ("cuda_pageable", _PAGEABLE, 0.6),
+                ("arena", _ARENA, 0.8),
+            ):
                 log(f"running {script} ...")
                 left = deadline - time.monotonic() - 20  # keep time for the DLPack check
                 summary[key] = _benchmark(
