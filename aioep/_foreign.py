@@ -312,14 +312,7 @@ def _from_host_dlpack(
     buffer._finalizer = None
     buffer._last_use = None
     buffer.producer = value
-    tensor = Tensor.__new__(Tensor)
-    tensor.shape = array.shape
-    tensor.dtype = array.dtype
-    tensor._size = array.size
-    tensor._nbytes = nbytes
-    tensor.buffer = buffer
-    tensor.byte_offset = 0
-    return tensor
+    return Tensor._over_array(array, buffer)
 
 
 def _role(kind: str, index: int | None) -> str:

@@ -247,13 +247,18 @@ class Tensor:
             owner=array,
             readonly=not array.flags.writeable,
         )
-        # The array already satisfies every check __init__ makes: skip them (this is the hot
-        # path of copy_tensors with numpy arguments).
+        return cls._over_array(array, buffer)
+
+    @classmethod
+    def _over_array(cls, array: npt.NDArray[Any], buffer: Buffer) -> Tensor:
+        """A tensor of ``array``'s shape and dtype over ``buffer`` (which holds exactly the
+        array's bytes), built without ``__init__``'s checks: a C-contiguous numpy array
+        already satisfies them (the hot path of copy_tensors with host arguments)."""
         tensor = cls.__new__(cls)
         tensor.shape = array.shape
         tensor.dtype = array.dtype
         tensor._size = array.size
-        tensor._nbytes = nbytes
+        tensor._nbytes = array.nbytes
         tensor.buffer = buffer
         tensor.byte_offset = 0
         return tensor
