@@ -106,10 +106,13 @@ def _on_event_loop() -> bool:
         pass
     trio = sys.modules.get("trio")
     if trio is not None:
+        # current_trio_token() raises outside a run on every trio version (in_trio_run() is
+        # only in trio >= 0.27; the lowest declared version is older).
         try:
-            return bool(trio.lowlevel.in_trio_run())
-        except Exception:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
             return False
+        return True
     return False
 
 
