@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 _DL_CPU = int(DLDeviceType.CPU)
+_NUMPY_READS_FLAGS = int(np.__version__.split(".")[0]) >= 2
+"""numpy >= 2 reads DLPack's read-only flag; numpy 1.x marks every import read-only (and
+cannot read a versioned capsule), so there aioep reads the capsule itself."""
 _cache: weakref.WeakKeyDictionary[EpFactory, MemoryImporter | None] = weakref.WeakKeyDictionary()
 
 
@@ -277,7 +280,9 @@ def _from_host_dlpack(
     # numpy reads the capsule in C (DLPack 1.x, the read-only flag, the deleter) and gives
     # a view that owns the managed tensor; host memory takes no stream (None).
     try:
-        array: np.ndarray[Any, Any] = np.from_dlpack(value)
+        array: np.ndarray[Any, Any] = (
+            np.from_dlpack(value) if _NUMPY_READS_FLAGS else _host_array_of_capsule(value)
+        )
     except Exception as exc:
         raise InvalidArgument(
             f"{_role(kind, index)}: {type(value).__name__} could not be read through DLPack: {exc}"
@@ -313,6 +318,37 @@ def _from_host_dlpack(
     buffer._last_use = None
     buffer.producer = value
     return Tensor._over_array(array, buffer)
+
+
+class _HostCapsuleArray:
+    """A consumed ``kDLCPU`` capsule as numpy's array interface: the array made from it
+    keeps this object (and so the producer's managed tensor) alive; the deleter runs when
+    it goes."""
+
+    def __init__(self, value: Any) -> None:
+        try:
+            capsule = value.__dlpack__(stream=None, max_version=MAX_VERSION)
+        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+            capsule = value.__dlpack__(stream=None)
+        view = read_capsule(capsule)
+        self._finalizer = weakref.finalize(self, view.release)
+        if view.device_type != _DL_CPU:
+            self._finalizer()
+            raise BufferError(
+                f"the capsule is on DLPack device type {view.device_type}, not kDLCPU"
+            )
+        itemsize = view.dtype.itemsize
+        self.__array_interface__ = {
+            "version": 3,
+            "data": (view.data, view.readonly),
+            "shape": view.shape,
+            "typestr": view.dtype.str,
+            "strides": None if view.strides is None else tuple(s * itemsize for s in view.strides),
+        }
+
+
+def _host_array_of_capsule(value: Any) -> np.ndarray[Any, Any]:
+    return np.asarray(_HostCapsuleArray(value))
 
 
 def _role(kind: str, index: int | None) -> str:

@@ -21,3 +21,20 @@ def ort_baseline(model: Any, sess_options: Any = None) -> Any:
     return ort.InferenceSession(
         copy.SerializeToString(), sess_options, providers=["CPUExecutionProvider"]
     )
+
+
+def ort_plugin_baseline(model: Any, ep_name: str) -> Any:
+    """An ``onnxruntime.InferenceSession`` with the plugin EP ``ep_name`` selected, without
+    aioep (its library registered with onnxruntime by an aioep environment opened first):
+    tells the EP's own numerics (OpenVINO computes in bf16 on processors that have it) from
+    aioep's."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.ir_version = min(copy.ir_version, BASELINE_IR_VERSION)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == ep_name]
+    assert devices, f"onnxruntime lists no {ep_name} device"
+    so.add_provider_for_devices(devices, {})
+    return ort.InferenceSession(copy.SerializeToString(), so)
+

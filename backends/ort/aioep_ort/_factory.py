@@ -247,10 +247,7 @@ class OrtFactory(EpFactory):
                     hw_type, int(hw.vendor_id), int(hw.device_id), str(hw.vendor), dict(hw.metadata)
                 )
                 infos: dict[MemoryType, MemoryInfo] = {}
-                for mem_type, ort_type in (
-                    (MemoryType.DEFAULT, rt.OrtDeviceMemoryType.DEFAULT),
-                    (MemoryType.HOST_ACCESSIBLE, rt.OrtDeviceMemoryType.HOST_ACCESSIBLE),
-                ):
+                for mem_type, ort_type in _memory_types(rt, od):
                     omi = od.memory_info(ort_type)
                     if omi is None:
                         continue
@@ -475,6 +472,20 @@ class OrtFactory(EpFactory):
     def __repr__(self) -> str:
         libs = ",".join(n for n, _ in self.options.libraries)
         return f"<OrtFactory {self.name!r} libraries=[{libs}]>"
+
+
+def _memory_types(rt: Any, ort_device: Any) -> list[tuple[MemoryType, Any]]:
+    """The memory types to ask an ``OrtEpDevice`` about. onnxruntime 1.23 (the lowest
+    supported) gives Python neither ``OrtDeviceMemoryType`` nor ``OrtEpDevice.memory_info``:
+    there a plugin EP's device offers no memory of its own, and its sessions take and give
+    host memory (ORT copies inside the run), as with ORT's own Python API of that version."""
+    types = getattr(rt, "OrtDeviceMemoryType", None)
+    if types is None or not hasattr(ort_device, "memory_info"):
+        return []
+    return [
+        (MemoryType.DEFAULT, types.DEFAULT),
+        (MemoryType.HOST_ACCESSIBLE, types.HOST_ACCESSIBLE),
+    ]
 
 
 def _memory_info(omi: Any, mem_type: MemoryType, hw_type: DeviceType) -> MemoryInfo:
