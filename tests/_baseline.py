@@ -37,4 +37,3 @@ def ort_plugin_baseline(model: Any, ep_name: str) -> Any:
     assert devices, f"onnxruntime lists no {ep_name} device"
     so.add_provider_for_devices(devices, {})
     return ort.InferenceSession(copy.SerializeToString(), so)
-
