@@ -997,6 +997,7 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
     host[...] = np.arange(host.size, dtype=np.uint32)
     async with env.create_sync_stream(gpu) as stream:
         ctx = stream.impl.device.ctx
+        cu = stream.impl.cu
 
         def register() -> None:
             with ctx_current(ctx):
@@ -1004,6 +1005,14 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
 
         def unregister() -> None:  # synchronises the device: never on the event loop
             with ctx_current(ctx):
+                # ``await stream`` may return (the dispatcher polled the event) before the
+                # wake-up host function enqueued after that event has run: work still in
+                # flight, which a synchronising call waits for (and the strict emulator,
+                # with the loop thread marked, refuses). Wait for the stream to be idle.
+                deadline = time.monotonic() + 20
+                while drv.cuStreamQuery(cu)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
+                    assert time.monotonic() < deadline, "the stream never became idle"
+                    time.sleep(0.0005)
                 check(drv.cuMemHostUnregister(region.ctypes.data), "cuMemHostUnregister")
 
         await anyio_to_thread(register)
