@@ -11,6 +11,7 @@ import ctypes
 import gc
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -996,6 +997,7 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
     host[...] = np.arange(host.size, dtype=np.uint32)
     async with env.create_sync_stream(gpu) as stream:
         ctx = stream.impl.device.ctx
+        cu = stream.impl.cu
 
         def register() -> None:
             with ctx_current(ctx):
@@ -1003,6 +1005,14 @@ async def test_host_memory_pinned_by_someone_else_is_copied_asynchronously(
 
         def unregister() -> None:  # synchronises the device: never on the event loop
             with ctx_current(ctx):
+                # ``await stream`` may return (the dispatcher polled the event) before the
+                # wake-up host function enqueued after that event has run: work still in
+                # flight, which a synchronising call waits for (and the strict emulator,
+                # with the loop thread marked, refuses). Wait for the stream to be idle.
+                deadline = time.monotonic() + 20
+                while drv.cuStreamQuery(cu)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
+                    assert time.monotonic() < deadline, "the stream never became idle"
+                    time.sleep(0.0005)
                 check(drv.cuMemHostUnregister(region.ctypes.data), "cuMemHostUnregister")
 
         await anyio_to_thread(register)
@@ -1231,6 +1241,98 @@ async def test_a_stream_with_a_gate_closes_on_a_broken_context(
     assert impl.gate_released.is_set()
     await stream.aclose()
     del dev  # the frame may outlive the test in the failure's traceback: drop the tensor
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_a_mark_that_cannot_be_recorded_fails_the_copy_once_its_staging_is_over(
+    gpu: aioep.EpDevice, env: aioep.Environment
+) -> None:
+    """The copy's own mark (the event the core records after a gated pageable copy) fails to
+    record: the batch is already with the stager, so copy_tensors must not raise there and
+    then (its caller would drop memory the stager is about to read); the copy's future
+    fails, keeps its tensors until the staged copy is over, and the copy ran."""
+    import anyio
+
+    assert DRIVER.emulator is not None
+    data = np.arange(1 << 12, dtype=np.int32)
+    dev = env.empty(data.shape, data.dtype, _mem(gpu))
+    out = np.zeros_like(data)
+    async with env.create_sync_stream(gpu) as stream:
+        await env.copy_tensors([data], [dev], stream=stream)
+        buffer = weakref.ref(dev.buffer)
+        with _held(stream) as release:  # nothing runs before the mark is recorded
+            # The next records: the gate's prerequisite mark, then the copy's own mark.
+            DRIVER.emulator.fail_call("cuEventRecord", after=1, code=700)
+            future = env.copy_tensors([dev], [out], stream=stream)
+            del dev
+            gc.collect()
+            assert buffer() is not None  # the future keeps the source
+            release()
+            with anyio.fail_after(20), pytest.raises(aioep.DeviceError, match="cuEventRecord"):
+                await future
+        assert np.array_equal(out, data)  # the staged download ran to its end
+        del future
+        gc.collect()
+        assert buffer() is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_a_broken_context_fails_a_gated_copy_only_once_its_staging_is_over(
+    gpu: aioep.EpDevice, env: aioep.Environment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a sticky error every event of the context reports it at once, the mark of a
+    gated pageable copy too, while the stager may still be working on that copy (copying,
+    enqueueing, recording its release mark). The copy's future completes only once the
+    stager is done with it: its caller may then drop the memory or close the device."""
+    import anyio
+
+    from aioep_cuda import _staging
+    from aioep_cuda._driver import driver
+
+    emulator = DRIVER.emulator
+    assert emulator is not None
+    drv = driver()
+    n = 1 << 12
+    pinned_a = env.empty((n,), np.int32, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned_b = env.empty((n,), np.int32, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+    pinned_b.numpy()[...] = np.arange(n, dtype=np.int32)
+    dev = env.empty((n,), np.int32, _mem(gpu))
+    out = np.zeros(n, np.int32)
+    future: list[aioep.CopyFuture] = []
+    seen: list[bool] = []
+    real = _staging.host_copy
+
+    def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+        # The staged (pinned -> pageable) pair, on a stager thread, once the direct pair
+        # before it on the stream has broken the context and the copy's mark reports it.
+        mark = future[0].notification.impl
+        assert isinstance(mark, aioep_cuda._stream.CudaNotification)
+        until(lambda: bool(emulator.get("sticky")))
+        until(lambda: drv.cuEventQuery(mark.event)[0] != drv.CUresult.CUDA_ERROR_NOT_READY)
+        seen.append(future[0].notification.done())  # must still be pending: we are at work
+        real(dst, src)
+
+    monkeypatch.setattr(_staging, "host_copy", copy)
+    async with env.create_sync_stream(gpu) as stream:
+        with _held(stream) as release:
+            emulator.set("lose_after_copies", emulator.get("copies"))  # the next copy faults
+            # A direct pair (pinned -> device: it faults) and a staged one, on one stream.
+            future.append(env.copy_tensors([pinned_a, pinned_b], [dev, out], stream=stream))
+            release()
+            with anyio.fail_after(20), pytest.raises(aioep.DeviceError, match="ILLEGAL_ADDRESS"):
+                await future[0]
+        assert seen == [False]
+        future.clear()
+    del pinned_a, pinned_b, dev
 
 
 @pytest.mark.gpu

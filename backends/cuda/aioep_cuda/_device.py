@@ -158,6 +158,7 @@ class SharedDevice:
         self._gate_bases: list[int] = []
         self.gate_free: list[int] = []
         self._tails: list[Any] = []  # events recorded last on streams destroyed so far
+        self._unmarked: list[Any] = []  # streams closed whose last work could not be marked
         self.released = False
 
     # -- memory functions of the pools -------------------------------------------------------
@@ -254,7 +255,12 @@ class SharedDevice:
     # -- lifetime -----------------------------------------------------------------------------
     def destroy_stream(self, cu: Any) -> None:
         """``cuStreamDestroy`` after recording a tail event on it: the stream's queued work
-        still runs, and :meth:`release` waits for that event (not for the whole context)."""
+        still runs, and :meth:`release` waits for that event (not for the whole context).
+
+        If no tail can be recorded (a broken context: every call fails), the stream is kept
+        and destroyed by :meth:`release` after ``cuStreamSynchronize``: a destroyed stream
+        could not be waited for, and its queued work (a wait on a gate word that will never
+        be written, say) may not have drained yet when the synchronising frees come."""
         drv = driver()
         with ctx_current(self.ctx):
             err, event = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
@@ -262,9 +268,11 @@ class SharedDevice:
                 if drv.cuEventRecord(event, cu)[0] == drv.CUresult.CUDA_SUCCESS:
                     with self.lock:
                         self._tails.append(event)
-                else:
-                    drv.cuEventDestroy(event)
-            drv.cuStreamDestroy(cu)
+                    drv.cuStreamDestroy(cu)
+                    return
+                drv.cuEventDestroy(event)
+        with self.lock:
+            self._unmarked.append(cu)
 
     def busy(self) -> bool:
         """Memory made in the context still held by someone (pinned blocks, buffers)."""
@@ -284,18 +292,24 @@ class SharedDevice:
         Off the event loop, with nothing held. The wait is for the work of the streams the
         backend made (the tail event of each destroyed stream, the helper stream's last
         work), not a context synchronisation; the frees that follow then find the backend's
-        streams idle. A broken context (a sticky error) makes every call return at once.
+        streams idle. In a broken context (a sticky error) events cannot be recorded: the
+        streams closed then were kept and are waited for here with ``cuStreamSynchronize``.
         """
         drv = driver()
         self.released = True
         try:
             with ctx_current(self.ctx):
                 if self._helper is not None:
-                    drv.cuEventRecord(self._ready, self._helper)
-                    call_nogil("cuEventSynchronize", int(self._ready))
+                    if drv.cuEventRecord(self._ready, self._helper)[0] == drv.CUresult.CUDA_SUCCESS:
+                        call_nogil("cuEventSynchronize", int(self._ready))
+                    else:  # a broken context: wait for the helper stream itself
+                        call_nogil("cuStreamSynchronize", int(self._helper))
                 for event in self._tails:
                     call_nogil("cuEventSynchronize", int(event))
                     drv.cuEventDestroy(event)
+                for cu in self._unmarked:
+                    call_nogil("cuStreamSynchronize", int(cu))
+                    drv.cuStreamDestroy(cu)
                 self.pinned.release_all()
                 self.device_cache.release_all()
                 for base in self._gate_bases:
@@ -306,6 +320,7 @@ class SharedDevice:
             self.events.close()
         finally:
             self._tails.clear()
+            self._unmarked.clear()
             self._gate_bases.clear()
             self.gate_free.clear()
             self._helper = self._ready = None

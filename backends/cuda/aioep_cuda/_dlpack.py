@@ -78,9 +78,10 @@ def _order_consumer(tensor: Tensor, stream: Any) -> None:
         drv = driver()
         notification = producer.create_notification()
         notification.activate()
+        event = notification.recorded_event()
         with ctx_current(producer.device.ctx):
             check(
-                drv.cuStreamWaitEvent(drv.CUstream(consumer), notification.event, 0),
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), event, 0),
                 "cuStreamWaitEvent (DLPack consumer stream)",
             )
     work = tensor.buffer.pending_work
@@ -91,9 +92,10 @@ def _order_consumer(tensor: Tensor, stream: Any) -> None:
         if getattr(work.stream, "handle", None) == consumer:
             return  # the copy is on the consumer's own stream: already in order
         drv = driver()
+        event = impl.recorded_event()
         with ctx_current(impl.stream.device.ctx):
             check(
-                drv.cuStreamWaitEvent(drv.CUstream(consumer), impl.event, 0),
+                drv.cuStreamWaitEvent(drv.CUstream(consumer), event, 0),
                 "cuStreamWaitEvent (DLPack consumer stream, pending copy)",
             )
     else:

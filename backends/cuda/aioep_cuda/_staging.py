@@ -607,14 +607,16 @@ class Stager:
             self._released(job, None)
         else:
             self._after(stream, functools.partial(self._released, job))
+        # The host side is done: the host memory is let go now, before ``on_done`` lets the
+        # caller see the copy complete (the caller may then close the environment, which
+        # counts the buffers still alive).
+        job.keep = ()
         on_done, job.on_done = job.on_done, None
         if on_done is not None:
             try:
                 on_done(job, stream)
             except BaseException as exc:
                 job.fail(exc)
-        # The host side is done: the host memory is let go now.
-        job.keep = ()
         self._released(job, None)
 
     def _released(self, job: StagedJob, error: BaseException | None) -> None:

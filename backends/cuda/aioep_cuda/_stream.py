@@ -56,6 +56,10 @@ class CudaStream(StreamImpl):
         self.gate_value = 0
         self.gate_mark = 0
         self.gate_errors: dict[int, BaseException] = {}
+        # Gate values whose staged copy may still make driver calls (see gate_pending).
+        self._unsettled: set[int] = set()
+        self._settle_waiters: list[tuple[int, Callable[[], None]]] = []
+        self._settle_lock = threading.Lock()
         self.gate_released = threading.Event()
         """Set once the gate word (if any) is back with the device after :meth:`close`."""
         self.alloc_seen = 0  # the helper stream's allocation generation this stream waited for
@@ -121,6 +125,41 @@ class CudaStream(StreamImpl):
                 )
         return None
 
+    def gate_pending(self, value: int) -> None:
+        """Gate ``value``'s staged copy is under way: a notification recorded after its wait
+        completes only once :meth:`gate_settled` says the copy makes no more driver calls.
+
+        On success that is already so when the device passes the gate; but after a sticky
+        error every later event of the context reports the error at once, while the stager
+        may still be working on the copy (enqueueing, recording its release mark). Without
+        this the caller would see the copy fail, drop its device memory, or close its device
+        (its event pool), while a stager thread still used them."""
+        with self._settle_lock:
+            self._unsettled.add(value)
+
+    def gate_settled(self, value: int) -> None:
+        """Gate ``value``'s staged copy is over: it makes no more driver calls (it ran, failed
+        or was abandoned, and its gate word is written or given up)."""
+        with self._settle_lock:
+            self._unsettled.discard(value)
+            low = min(self._unsettled, default=None)
+            if low is None:
+                ready, self._settle_waiters = self._settle_waiters, []
+            else:
+                ready = [w for w in self._settle_waiters if w[0] < low]
+                self._settle_waiters = [w for w in self._settle_waiters if w[0] >= low]
+        for _, fn in ready:
+            fn()
+
+    def when_gates_settled(self, upto: int, fn: Callable[[], None]) -> bool:
+        """True if every gate value up to ``upto`` is settled; else False, and ``fn()`` runs
+        (on the thread that settles the last of them) once they are."""
+        with self._settle_lock:
+            if not any(v <= upto for v in self._unsettled):
+                return True
+            self._settle_waiters.append((upto, fn))
+            return False
+
     def close(self) -> None:
         with self.lock:
             if self.closed:
@@ -172,32 +211,52 @@ class CudaNotification(NotificationImpl):
     __slots__ = (
         "_armed",
         "_callbacks",
+        "_deferred",
         "_done",
         "_error",
         "_event",
         "_gates",
         "_gen",
         "_lock",
+        "_no_event",
         "_seq",
         "_stream",
+        "_unrecorded",
     )
 
     def __init__(self, stream: CudaStream) -> None:
         self._stream = stream
-        self._event = stream.device.events.take()
-        weakref.finalize(self, stream.device.events.give, self._event)
+        self._no_event: DeviceError | None = None
+        try:
+            self._event = stream.device.events.take()
+        except DeviceError as exc:  # a broken context (cuEventCreate) or a closed device
+            self._event, self._no_event = None, exc
+        else:
+            weakref.finalize(self, stream.device.events.give, self._event)
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
         self._gen = 0  # activation count; 0: never recorded (complete, like an unrecorded event)
         self._done = 0  # the generation known complete
+        self._deferred = 0  # the generation waiting for staged copies before it (gate_pending)
         self._armed = 0  # the generation a waiter is registered for
         self._error: BaseException | None = None
+        self._unrecorded: DeviceError | None = None  # why the current generation has no record
         self._seq = 0
         self._gates = (0, 0)
 
     @property
     def event(self) -> Any:
-        """The ``CUevent`` (valid while this notification is alive)."""
+        """The ``CUevent`` (valid while this notification is alive); None if none could be
+        made (see :meth:`recorded_event`)."""
+        return self._event
+
+    def recorded_event(self) -> Any:
+        """The ``CUevent`` as recorded by the last :meth:`activate`, for a
+        ``cuStreamWaitEvent``; :class:`DeviceError` if that record failed."""
+        with self._lock:
+            failed = self._unrecorded
+        if failed is not None:
+            raise DeviceError(str(failed))
         return self._event
 
     @property
@@ -206,16 +265,26 @@ class CudaNotification(NotificationImpl):
         return self._stream
 
     def activate(self) -> None:
+        """Record the event at the stream's tail. A closed stream raises
+        :class:`DeviceError`; a record the driver refuses (a broken context) does not: the
+        notification completes with that error instead, once the staged copies enqueued
+        before it make no more driver calls (see :meth:`CudaStream.gate_pending`). The copy
+        it marks was handed over already, so its caller must keep the memory until then."""
         stream = self._stream
         drv = driver()
+        failed: DeviceError | None = None
         with stream.lock:
             if stream.closed:
                 raise DeviceError(f"{stream!r} is closed")
-            with ctx_current(stream.device.ctx):
-                err = drv.cuEventRecord(self._event, stream.cu)[0]
-            if err != drv.CUresult.CUDA_SUCCESS:
-                raise DeviceError(f"cuEventRecord on {stream!r} failed: {error_name(err)}")
-            stream.enqueued()
+            if self._event is None:
+                failed = DeviceError(f"no CUDA event to mark {stream!r}: {self._no_event}")
+            else:
+                with ctx_current(stream.device.ctx):
+                    err = drv.cuEventRecord(self._event, stream.cu)[0]
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    failed = DeviceError(f"cuEventRecord on {stream!r} failed: {error_name(err)}")
+            if failed is None:
+                stream.enqueued()
             seq = stream.seq
             gates = (stream.gate_mark, stream.gate_value)
             stream.gate_mark = stream.gate_value
@@ -224,11 +293,14 @@ class CudaNotification(NotificationImpl):
             self._seq = seq
             self._gates = gates
             self._error = None
-            rearm = bool(self._callbacks)
-            if rearm:
-                self._armed = self._gen
+            self._unrecorded = failed
             gen = self._gen
-        if rearm:
+            rearm = bool(self._callbacks) and failed is None
+            if rearm or failed is not None:
+                self._armed = gen  # a failed record is never armed: it completes below
+        if failed is not None:
+            self._finish(gen, failed)
+        elif rearm:
             self._arm(gen)
 
     def wait_on_device(self, stream: StreamImpl) -> None:
@@ -236,8 +308,9 @@ class CudaNotification(NotificationImpl):
             raise DeviceError(f"{self._stream!r}: the CUDA device was closed")
         if isinstance(stream, CudaStream):
             drv = driver()
+            event = self.recorded_event()
             with stream.lock, ctx_current(stream.device.ctx):
-                err = drv.cuStreamWaitEvent(stream.cu, self._event, 0)[0]
+                err = drv.cuStreamWaitEvent(stream.cu, event, 0)[0]
                 if err != drv.CUresult.CUDA_SUCCESS:
                     raise DeviceError(
                         f"cuStreamWaitEvent({stream!r}, event of {self._stream!r}) failed: "
@@ -254,6 +327,10 @@ class CudaNotification(NotificationImpl):
 
     # -- completion ------------------------------------------------------------------------
     def _query_event(self, *, retried: bool = False) -> tuple[bool, BaseException | None]:
+        with self._lock:
+            unrecorded = self._unrecorded
+        if unrecorded is not None:
+            return True, unrecorded
         if self._stream.device.events.dead:
             return True, DeviceError(f"{self._stream!r}: the CUDA device was closed")
         drv = driver()
@@ -272,6 +349,20 @@ class CudaNotification(NotificationImpl):
         )
 
     def _finish(self, gen: int, error: BaseException | None) -> None:
+        with self._lock:
+            if gen != self._gen or self._done == gen:
+                return
+            upto = self._gates[1]
+            if self._deferred == gen:  # already waiting for the staged copies below
+                return
+            self._deferred = gen
+        # A staged copy before this point still at work (after a sticky error the event
+        # reports it before the copy is over): complete once it is (see gate_pending).
+        if not self._stream.when_gates_settled(upto, functools.partial(self._settled, gen, error)):
+            return
+        self._settled(gen, error)
+
+    def _settled(self, gen: int, error: BaseException | None) -> None:
         with self._lock:
             if gen != self._gen or self._done == gen:
                 return
@@ -302,9 +393,11 @@ class CudaNotification(NotificationImpl):
                 return True
             gen = self._gen
         done, error = self._query_event()
-        if done:
-            self._finish(gen, error)
-        return done
+        if not done:
+            return False
+        self._finish(gen, error)
+        with self._lock:  # False while a staged copy before this point is still at work
+            return gen != self._gen or self._done == gen
 
     def error(self) -> BaseException | None:
         """A new copy of the failure each time: the caller raises it, which attaches the

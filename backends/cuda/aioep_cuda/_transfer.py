@@ -62,14 +62,20 @@ class PageableCopier:
 
     def submit(self, job: _GateJob) -> None:
         """Stage a ready job (its prerequisites on its stream are complete); never blocks."""
-        stager = self.staging.stager(job.stream.device)
-        if stager.submit(job.pairs, job.keep, functools.partial(_open_gate, job)) is None:
+        try:
+            stager = self.staging.stager(job.stream.device)
+            staged = stager.submit(job.pairs, job.keep, functools.partial(_open_gate, job))
+        except BaseException as exc:  # a bug: never leave the stream gated
+            staged = None
+            job.stream.gate_errors[job.value] = exc.with_traceback(None)
+        job.keep = ()
+        if staged is None:
             # Never leave the stream gated: release it without copying.
-            job.stream.gate_errors[job.value] = DeviceError(
-                "the CUDA backend closed before a copy ran"
+            job.stream.gate_errors.setdefault(
+                job.value, DeviceError("the CUDA backend closed before a copy ran")
             )
             self._release(job.stream, job.addr, job.value)
-        job.keep = ()
+            job.stream.gate_settled(job.value)
 
     def track(self, job: _GateJob) -> None:
         """Note a gate job whose prerequisites have not completed yet."""
@@ -108,21 +114,26 @@ class PageableCopier:
 def _open_gate(job: _GateJob, staged: StagedJob, stream: CudaStream | None) -> None:
     """The staged copies of ``job`` are done (uploads enqueued on ``stream``): let the
     caller's stream go on the device once they have landed."""
-    if staged.error is not None:  # kept without its traceback (which holds tensors)
-        job.stream.gate_errors[job.value] = staged.error.with_traceback(None)
-    if stream is None:  # no staging stream could be made: nothing was copied
-        PageableCopier._release(job.stream, job.addr, job.value)
-        return
-    drv = driver()
     try:
-        with stream.lock, ctx_current(stream.device.ctx):
-            check(
-                drv.cuStreamWriteValue32(stream.cu, job.addr, job.value & 0xFFFFFFFF, 0),
-                "cuStreamWriteValue32",
-            )
-            stream.enqueued()
-    except BaseException as exc:  # the context is broken: S fails with it too
-        job.stream.gate_errors.setdefault(job.value, exc.with_traceback(None))
+        if staged.error is not None:  # kept without its traceback (which holds tensors)
+            job.stream.gate_errors[job.value] = staged.error.with_traceback(None)
+        if stream is None:  # no staging stream could be made: nothing was copied
+            PageableCopier._release(job.stream, job.addr, job.value)
+            return
+        drv = driver()
+        try:
+            with stream.lock, ctx_current(stream.device.ctx):
+                check(
+                    drv.cuStreamWriteValue32(stream.cu, job.addr, job.value & 0xFFFFFFFF, 0),
+                    "cuStreamWriteValue32",
+                )
+                stream.enqueued()
+        except BaseException as exc:  # the context is broken: S fails with it too
+            job.stream.gate_errors.setdefault(job.value, exc.with_traceback(None))
+    finally:
+        # The stager recorded the batch's release mark before calling this: the copy makes
+        # no more driver calls, and S's later notifications may complete (gate_pending).
+        job.stream.gate_settled(job.value)
 
 
 class _GateJob:
@@ -190,6 +201,7 @@ class _GateJob:
             "the CUDA backend closed before a pageable copy's stream reached it"
         )
         PageableCopier._release(self.stream, self.addr, self.value)
+        self.stream.gate_settled(self.value)
 
 
 class CudaDataTransfer(DataTransfer):
@@ -246,21 +258,25 @@ class CudaDataTransfer(DataTransfer):
             job = self._pageable.staging.stager(dev).submit(staged, keep)
             if job is None:
                 raise DeviceError("the CUDA backend is closed")
-        if direct:
-            cu, event, seen = dev.copy_stream()
-            drv = driver()
-            seen[0] = dev.shared.fence(cu, seen[0])
-            with ctx_current(dev.ctx):
-                for s, d in direct:
-                    self._memcpy(d, s, cu)
-                check(drv.cuEventRecord(event, cu), "cuEventRecord")
-                # A blocking-sync event: the thread sleeps in the driver, it does not spin.
-                check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
-        # (An empty batch runs inline on the event loop: it must not wait for anything.)
-        if job is not None:
-            job.released.wait()
-            if job.error is not None:
-                raise job.error
+        try:
+            if direct:
+                cu, event, seen = dev.copy_stream()
+                drv = driver()
+                seen[0] = dev.shared.fence(cu, seen[0])
+                with ctx_current(dev.ctx):
+                    for s, d in direct:
+                        self._memcpy(d, s, cu)
+                    check(drv.cuEventRecord(event, cu), "cuEventRecord")
+                    # A blocking-sync event: the thread sleeps in the driver, it does not spin.
+                    check(call_nogil("cuEventSynchronize", int(event)), "cuEventSynchronize")
+        finally:
+            # Even when the direct pairs failed: the caller lets the memory go on return,
+            # and the stager may still be copying it. (An empty batch runs inline on the
+            # event loop: it must not wait for anything, and has no job.)
+            if job is not None:
+                job.released.wait()
+        if job is not None and job.error is not None:
+            raise job.error
 
     def _split(
         self, pairs: Sequence[CopyPair]
@@ -418,6 +434,7 @@ class CudaDataTransfer(DataTransfer):
             self._stream_mem_ops = False
             return False
         stream.gate_value = value
+        stream.gate_pending(value)
         stream.enqueued()
         job.gate_enqueued()
         return True
