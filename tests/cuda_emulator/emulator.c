@@ -904,7 +904,7 @@ static void sync_begin(ctx_t *c, const char *call, int check) {
     c->sync_call = call;
     st.sync_calls++;
     if (check && cfg.strict_loop_sync && any_loop_thread() && !is_loop_thread(me) &&
-        work_in_flight(c))
+        !c->sticky && work_in_flight(c))
         misuse("%s on thread %ld synchronises device %d's context while work is in flight and "
                "an event-loop thread is marked: until that work is done, every driver call on "
                "this context, the loop's included, waits behind it (a real GPU froze the event "
@@ -926,10 +926,14 @@ static void throttle(size_t n) {
         sleep_ns(ns);
 }
 
+/* A sticky error breaks the context: as on the real driver, its queued work is dropped at
+ * once (run_op skips it), so streams waiting on a value are woken now rather than at their
+ * next poll, and a synchronising call finds nothing in flight. */
 static void set_sticky(ctx_t *c, CUresult e) {
     if (!c->sticky) {
         c->sticky = e;
         st.sticky_errors++;
+        pthread_cond_broadcast(&g_progress);
     }
 }
 
