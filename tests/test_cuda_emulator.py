@@ -901,3 +901,31 @@ def test_every_stale_handle_is_caught_however_many_were_made_since(
     for kind, handle in live.values():
         cuda.ok((drv.cuStreamDestroy if kind == "stream" else drv.cuEventDestroy)(handle))
     emu.set("abort_on_misuse", 1)
+
+
+@emulator_only
+def test_a_sticky_error_drops_queued_work_so_a_synchronising_call_returns_it() -> None:
+    # As on the real driver: once a fault breaks the context its queued work is dropped at
+    # once, a stream held by a wait on device memory included, so a synchronising call on
+    # another thread (the loop marked) has nothing to wait for and returns the error.
+    _assert_survives(
+        """
+        retain(); s = stream(); s2 = stream(); victim = halloc(4096)
+        word = dalloc(4)
+        ok(L.cuMemsetD32_v2(U(word), 0, Z(1)), "cuMemsetD32")
+        ok(L.cuStreamWaitValue32_v2(s, U(word), 1, 0), "cuStreamWaitValue32")
+        a, b = dalloc(64), dalloc(64)
+        ok(copy(a, b, 64, s), "cuMemcpyAsync behind the wait")
+        emu_set("lose_after_copies", 0)
+        ok(copy(a, b, 64, s2), "cuMemcpyAsync that faults")
+        until(lambda: emu_get("sticky") != 0, "the sticky error")
+        assert L.cuemu_mark_loop_thread(0) == 0
+        rc = []
+        def free():
+            retain()
+            rc.append(L.cuMemFreeHost(V(victim)))
+        t = threading.Thread(target=free); t.start(); t.join()
+        assert len(rc) == 1, rc  # returned (no abort, no wait for the held stream)
+        assert L.cuStreamQuery(s) == 700  # CUDA_ERROR_ILLEGAL_ADDRESS, the sticky error
+        """
+    )
