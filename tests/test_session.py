@@ -926,8 +926,6 @@ async def test_compiled_groups_are_released_when_create_session_fails(
 async def test_an_omitted_optional_input_is_none_as_in_onnxruntime() -> None:
     """onnxruntime runs a model whose optional-typed input is left out (it is None); so does
     aioep, while a missing tensor input is still refused."""
-    import onnxruntime as ort
-
     opt = h.make_optional_type_proto(h.make_tensor_type_proto(TP.FLOAT, [2]))
     graph = h.make_graph(
         [h.make_node("OptionalHasElement", ["o"], ["has"]), h.make_node("Identity", ["x"], ["y"])],
@@ -937,7 +935,7 @@ async def test_an_omitted_optional_input_is_none_as_in_onnxruntime() -> None:
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     x = np.array([1.5, -2.0], np.float32)
-    oracle = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    oracle = ort_baseline(model)  # IR version capped: the newest onnxruntime for 3.10 reads IR 11
     want_y, want_has = oracle.run(None, {"x": x})
     async with (
         aioep.Environment(autoload=False) as env,
