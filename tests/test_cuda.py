@@ -1454,6 +1454,49 @@ async def test_the_pinned_pool_is_bounded(cuda_driver: Driver) -> None:
         del small, halves
 
 
+def test_threads_allocating_at_once_stay_within_the_pool_limit() -> None:
+    """A new block counts against the pool's limit before its (unlocked, slow) driver call:
+    threads that miss the idle lists together cannot overshoot, and a failed allocation
+    gives its reservation back."""
+    from types import SimpleNamespace
+
+    from aioep_cuda._pool import CachingPool
+
+    inside = threading.Barrier(2, timeout=5)
+    addresses = iter(range(0x1000, 0x100000, 0x1000))
+
+    def allocate(size: int) -> int:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            inside.wait(timeout=0.5)  # both threads in the driver at once, if both got here
+        return next(addresses)
+
+    shared = SimpleNamespace(ordinal=0, maybe_release=lambda: None)
+    pool = CachingPool(shared, "test", allocate, lambda ptr: None, limit=1 << 20)  # type: ignore[arg-type]
+    results: list[object] = []
+
+    def take() -> None:
+        try:
+            results.append(pool.take(3 << 18))  # 768 KiB: one fits the limit, two do not
+        except aioep.DeviceError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=take) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(type(r).__name__ for r in results) == ["Block", "DeviceError"]
+    assert pool.held_bytes <= 1 << 20
+
+    def refuse(size: int) -> int:
+        raise aioep.DeviceError("no memory")
+
+    failing = CachingPool(shared, "test", refuse, lambda ptr: None, limit=1 << 20)  # type: ignore[arg-type]
+    with pytest.raises(aioep.DeviceError, match="no memory"):
+        failing.take(4096)
+    assert failing.held_bytes == 0
+
+
 @pytest.mark.gpu
 @needs_gpu
 async def test_empty_without_a_stream_never_waits_and_streams_see_the_allocation(

@@ -112,18 +112,23 @@ class CachingPool:
         size = self._round(max(nbytes, 1))
         with self._lock:
             block = self._reuse(self._idle.get(size, ()))
-            over = block is None and 0 <= self.limit < self._held + size
+            # A new block's bytes count against the limit from here on, before the driver
+            # call (made without the lock): threads allocating at once cannot overshoot.
+            allocate = block is None and not 0 <= self.limit < self._held + size
+            if allocate:
+                self._held += size
         refused = ""
-        if block is None and not over:
+        if allocate:
             try:
                 ptr = self._allocate(size)
             except DeviceError as exc:
                 ptr, refused = 0, str(exc)
-            if ptr:
-                block = Block(ptr, size)
-                with self._lock:
-                    self._held += size
+            with self._lock:
+                if ptr:
+                    block = Block(ptr, size)
                     self.allocations += 1
+                else:
+                    self._held -= size
         if block is None:
             with self._lock:  # best fit among larger idle blocks
                 bigger = [b for s, blocks in sorted(self._idle.items()) if s > size for b in blocks]
