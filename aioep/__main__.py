@@ -18,8 +18,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._environment import Environment
-from ._types import MemoryInfo
+from ._base.types import MemoryInfo
+from ._environment.environment import Environment
 
 __all__ = ["describe_environment", "format_devices", "main"]
 
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-autoload", action="store_true", help="only the built-in host device")
     p.set_defaults(func=_devices)
     try:
-        from . import _bench
+        from ._tools import bench as _bench
     except ImportError:  # pragma: no cover - the bench module is optional
         pass
     else:

@@ -31,41 +31,41 @@ libraries' tensors (DLPack, CUDA Array Interface) on the backend's devices.
 
 import typing
 
-from ._allocator import Allocator as Allocator
-from ._chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
-from ._chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
-from ._dlpack import DLDeviceType as DLDeviceType
-from ._dlpack import DLManagedTensor as DLManagedTensor
-from ._dlpack import dlpack_capsule as dlpack_capsule
-from ._dlpack import dlpack_dtype as dlpack_dtype
-from ._dlpack import live_dlpack_exports as live_dlpack_exports
-from ._ep import CompiledNode as CompiledNode
-from ._ep import Ep as Ep
-from ._ep import FusedGroup as FusedGroup
-from ._ep import IndexedSubGraph as IndexedSubGraph
-from ._ep import MetaDef as MetaDef
-from ._external_data_loader import ExternalDataLoader as ExternalDataLoader
-from ._factory import EpFactory as EpFactory
-from ._factory import FactoryOptions as FactoryOptions
-from ._graph import GraphView as GraphView
-from ._graph import Initializer as Initializer
-from ._graph import Node as Node
-from ._graph import ValueInfo as ValueInfo
-from ._host import HostAllocator as HostAllocator
-from ._importer import MemoryImporter as MemoryImporter
-from ._options import parse_bool_option as parse_bool_option
-from ._options import parse_choice_option as parse_choice_option
-from ._options import parse_float_option as parse_float_option
-from ._options import parse_int_option as parse_int_option
-from ._options import reject_unknown_options as reject_unknown_options
-from ._stream_impl import HostNotification as HostNotification
-from ._stream_impl import NotificationImpl as NotificationImpl
-from ._stream_impl import StreamImpl as StreamImpl
-from ._stream_impl import ThreadStream as ThreadStream
-from ._tensor import HOST_MEMORY_INFO as HOST_MEMORY_INFO
-from ._tensor import register_dlpack_exporter as register_dlpack_exporter
-from ._transfer import CopyPair as _CopyPair
-from ._transfer import DataTransfer as DataTransfer
+from ._base.options import parse_bool_option as parse_bool_option
+from ._base.options import parse_choice_option as parse_choice_option
+from ._base.options import parse_float_option as parse_float_option
+from ._base.options import parse_int_option as parse_int_option
+from ._base.options import reject_unknown_options as reject_unknown_options
+from ._devices.factory import EpFactory as EpFactory
+from ._devices.factory import FactoryOptions as FactoryOptions
+from ._devices.host import HostAllocator as HostAllocator
+from ._external_data.chunked_loader import DEFAULT_CHUNK_BYTES as DEFAULT_CHUNK_BYTES
+from ._external_data.chunked_loader import ChunkedExternalDataLoader as ChunkedExternalDataLoader
+from ._external_data.loader import ExternalDataLoader as ExternalDataLoader
+from ._graph.graph import GraphView as GraphView
+from ._graph.graph import Initializer as Initializer
+from ._graph.graph import Node as Node
+from ._graph.graph import ValueInfo as ValueInfo
+from ._interop.dlpack import DLDeviceType as DLDeviceType
+from ._interop.dlpack import DLManagedTensor as DLManagedTensor
+from ._interop.dlpack import dlpack_capsule as dlpack_capsule
+from ._interop.dlpack import dlpack_dtype as dlpack_dtype
+from ._interop.dlpack import live_dlpack_exports as live_dlpack_exports
+from ._interop.importer import MemoryImporter as MemoryImporter
+from ._memory.allocator import Allocator as Allocator
+from ._memory.transfer import CopyPair as _CopyPair
+from ._memory.transfer import DataTransfer as DataTransfer
+from ._session.ep import CompiledNode as CompiledNode
+from ._session.ep import Ep as Ep
+from ._session.ep import FusedGroup as FusedGroup
+from ._session.ep import IndexedSubGraph as IndexedSubGraph
+from ._session.ep import MetaDef as MetaDef
+from ._streams.stream_impl import HostNotification as HostNotification
+from ._streams.stream_impl import NotificationImpl as NotificationImpl
+from ._streams.stream_impl import StreamImpl as StreamImpl
+from ._streams.stream_impl import ThreadStream as ThreadStream
+from ._tensors.tensor import HOST_MEMORY_INFO as HOST_MEMORY_INFO
+from ._tensors.tensor import register_dlpack_exporter as register_dlpack_exporter
 
 # Bound here rather than re-exported so that it carries its docstring (the defining
 # module's alias has none).

@@ -10,12 +10,12 @@
 See the command-line guide for what each table measures.
 """
 
-from ._bench import BandwidthPoint as BandwidthPoint
-from ._bench import BenchReport as BenchReport
-from ._bench import LatencyPoint as LatencyPoint
-from ._bench import format_report as format_report
-from ._bench import plot_report as plot_report
-from ._bench import run_bench as run_bench
+from ._tools.bench import BandwidthPoint as BandwidthPoint
+from ._tools.bench import BenchReport as BenchReport
+from ._tools.bench import LatencyPoint as LatencyPoint
+from ._tools.bench import format_report as format_report
+from ._tools.bench import plot_report as plot_report
+from ._tools.bench import run_bench as run_bench
 
 __all__ = [
     "BandwidthPoint",

@@ -15,9 +15,9 @@ runners; serving code uses ``await env.create_session(...)`` and
 ``await session.run(...)``.
 """
 
-from ._onnx_backend import AioepBackend as AioepBackend
-from ._onnx_backend import AioepBackendRep as AioepBackendRep
-from ._onnx_backend import DeviceChoice as DeviceChoice
+from ._tools.onnx_backend import AioepBackend as AioepBackend
+from ._tools.onnx_backend import AioepBackendRep as AioepBackendRep
+from ._tools.onnx_backend import DeviceChoice as DeviceChoice
 
 __all__ = [
     "AioepBackend",

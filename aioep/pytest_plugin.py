@@ -39,26 +39,28 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import warnings
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Generator, Iterator
 
 import pytest
 
-from ._device import EpDevice
-from ._environment import Environment
-from ._pytest_entry import add_markers, add_options, entry_point, ini
+from ._devices.device import EpDevice
+from ._environment.environment import Environment
+from ._tools.pytest_entry import add_markers, add_options, entry_point, ini
+from ._tools.pytest_env import (
+    CALL_FAILED,
+    LOOP_SCOPES,
+    check_backends,
+    env_arguments,
+    environment_for,
+    leak_check,
+    quiet_backend_failures,
+)
 
 __all__ = ["entry_point", "gpu_available"]
 
 SIM_EP_NAME = "SimExecutionProvider"
-_LOOP_SCOPES = ("function", "class", "module", "package", "session")
-"""pytest-asyncio's event-loop scopes; ``aioep_env`` has one private fixture per scope."""
-
-_ASYNCIO_FIXTURES = "aioep._pytest_asyncio"
+_ASYNCIO_FIXTURES = "aioep._tools.asyncio_fixtures"
 _PYTEST_ASYNCIO_NAMES = ("asyncio", "pytest_asyncio.plugin", "pytest_asyncio")
-_call_failed = pytest.StashKey[bool]()
 
 
 # -- the plugin proper (active once this module is registered) ------------------------------
@@ -117,97 +119,11 @@ def pytest_runtest_makereport(
     """Note a failed test call: its traceback keeps its locals (and their tensors) alive."""
     report = yield
     if report.when == "call" and report.failed:
-        item.stash[_call_failed] = True
+        item.stash[CALL_FAILED] = True
     return report
 
 
 # -- aioep_env: one environment per test, on the loop that runs the test ---------------------
-
-
-def _env_arguments(request: pytest.FixtureRequest) -> tuple[list[str] | None, dict[str, Any]]:
-    marker = request.node.get_closest_marker("aioep_backends")
-    if marker is not None:
-        names = [str(n) for n in marker.args]
-        options = marker.kwargs.get("options") or {}
-        if not isinstance(options, Mapping):
-            raise pytest.UsageError(
-                f"aioep_backends marker on {request.node.nodeid}: options must be a mapping of "
-                f"backend name -> options, got {options!r}"
-            )
-        return names, {str(k): dict(v) for k, v in options.items()}
-    configured = [str(n) for n in ini(request.config, "aioep_backends", [])]
-    return (configured or None), {}
-
-
-def _check_backends(env: Environment, names: list[str] | None) -> None:
-    """Fail the test for a backend that is not installed; skip it for one that cannot start."""
-    for name in names or ():
-        why = env.load_errors.get(name)
-        if why is None or name in env.libraries:
-            continue
-        if why.startswith("no backend named"):
-            pytest.fail(
-                f"aioep backend {name!r} is not installed (entry-point group aioep.backends)",
-                pytrace=False,
-            )
-        pytest.skip(f"aioep backend {name!r} cannot start here: {why}")
-
-
-@contextmanager
-def _quiet_backend_failures() -> Iterator[None]:
-    # A backend that cannot start is reported in env.load_errors; _check_backends decides.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
-@contextmanager
-def _leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Report what the environment found still alive while it closed (its ResourceWarnings).
-
-    The warnings are caught (``warnings.catch_warnings`` also covers the worker thread
-    that releases the environment), so the close always runs to the end, even under
-    ``-W error``; other warnings are re-emitted as they were.
-    """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
-    for w in caught:
-        if w not in leaks:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-    if not leaks or request.node.stash.get(_call_failed, False):
-        return  # a failed test's traceback holds its locals: that is not a leak
-    if ini(request.config, "aioep_leaks", "error") == "warn":
-        for w in leaks:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        return
-    found = "\n".join(f"  - {w.message}" for w in leaks)
-    pytest.fail(
-        f"{request.node.nodeid} left aioep resources alive past its environment (aioep_env):\n"
-        f"{found}\nclose streams and sessions and drop tensors before the test ends "
-        "(ini aioep_leaks = warn reports this as a ResourceWarning instead)",
-        pytrace=False,
-    )
-
-
-@asynccontextmanager
-async def _environment_for(request: pytest.FixtureRequest) -> AsyncIterator[Environment]:
-    """The body of ``aioep_env`` for a test that runs on an event loop (anyio or pytest-asyncio).
-
-    Opens the environment off the loop in the fixture's task, so that it is current in the
-    test's context, and closes it after the test with the leak check.
-    """
-    names, options = _env_arguments(request)
-    env = Environment(backends=names, backend_options=options)
-    with _quiet_backend_failures():
-        await env.__aenter__()
-    try:
-        _check_backends(env, names)
-        yield env
-    finally:
-        with _leak_check(request):
-            await env.aclose()
 
 
 @pytest.fixture
@@ -215,22 +131,22 @@ async def _aioep_env_anyio(
     request: pytest.FixtureRequest, anyio_backend: object
 ) -> AsyncIterator[Environment]:
     """``aioep_env`` for a test that anyio's plugin runs (asyncio or trio)."""
-    async with _environment_for(request) as env:
+    async with environment_for(request) as env:
         yield env
 
 
 @pytest.fixture
 def _aioep_env_sync(request: pytest.FixtureRequest) -> Iterator[Environment]:
     """``aioep_env`` for a synchronous test: opened and closed with the blocking calls."""
-    names, options = _env_arguments(request)
+    names, options = env_arguments(request)
     env = Environment(backends=names, backend_options=options)
-    with _quiet_backend_failures():
+    with quiet_backend_failures():
         env.open()
     try:
-        _check_backends(env, names)
+        check_backends(env, names)
         yield env
     finally:
-        with _leak_check(request):
+        with leak_check(request):
             env.close()
 
 
@@ -250,7 +166,7 @@ def _env_fixture_name(request: pytest.FixtureRequest) -> str:
         kwargs = marker.kwargs if marker is not None else {}
         scope = kwargs.get("loop_scope") or kwargs.get("scope")
         scope = scope or request.config.getini("asyncio_default_test_loop_scope") or "function"
-        if scope not in _LOOP_SCOPES:
+        if scope not in LOOP_SCOPES:
             raise pytest.UsageError(f"{item.nodeid}: unknown pytest-asyncio loop scope {scope!r}")
         return f"_aioep_env_asyncio_{scope}"
     if "anyio_backend" in request.fixturenames:

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 import aioep
-from aioep._arena import ArenaAllocator, ArenaConfig
-from aioep._host import HostAllocator
+from aioep._devices.host import HostAllocator
+from aioep._memory.arena import ArenaAllocator, ArenaConfig
 
 MIB = 1 << 20
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "arena.json"

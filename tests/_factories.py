@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aioep
-from aioep._host import HostAllocator
-from aioep._types import HOST_MEMORY_DEVICE
+from aioep._base.types import HOST_MEMORY_DEVICE
+from aioep._devices.host import HostAllocator
 from aioep.abc import Allocator, CopyPair, DataTransfer, EpFactory, StreamImpl, ThreadStream
 
 MakeEnv = Callable[..., Awaitable[aioep.Environment]]

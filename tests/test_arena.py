@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import aioep
 from aioep import AllocatorType, DeviceError, InvalidArgument, MemoryType
-from aioep._arena import SIZE_MAX, ArenaAllocator, ArenaConfig, ArenaExtendStrategy
-from aioep._host import HostAllocator, HostFactory
-from aioep._stream import SyncStream
-from aioep._stream_impl import HostNotification, NotificationImpl, StreamImpl
+from aioep._devices.host import HostAllocator, HostFactory
+from aioep._memory.arena import SIZE_MAX, ArenaAllocator, ArenaConfig, ArenaExtendStrategy
+from aioep._streams.stream import SyncStream
+from aioep._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl
 
 MiB = 1 << 20
 ORT_STATS = (

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from aioep import InvalidArgument
-from aioep._bfc import NUM_BINS, BfcCore, Chunk
+from aioep._memory.bfc import NUM_BINS, BfcCore, Chunk
 
 UNIT = 256
 TAGS = (None, "a", "b")  # opaque tags: the core only compares them by identity

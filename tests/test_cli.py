@@ -12,7 +12,7 @@ import pytest
 from _factories import BrokenFactory, FakeGpuFactory
 
 from aioep import __main__ as cli
-from aioep import _registry
+from aioep._environment import registry as _registry
 
 
 @pytest.fixture

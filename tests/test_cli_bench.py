@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from aioep import InvalidArgument
-from aioep._bench import (
+from aioep._tools.bench import (
     BenchReport,
     format_report,
     parse_backend_options,
@@ -60,7 +60,7 @@ async def test_unknown_device_is_refused() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from aioep._bench import BandwidthPoint
+    from aioep._tools.bench import BandwidthPoint
 
     report = BenchReport(
         bandwidth=[

@@ -48,7 +48,7 @@ def _dataclasses() -> list[type]:
 
 def test_the_walk_finds_the_dataclasses() -> None:
     names = {f"{c.__module__}.{c.__qualname__}" for c in _dataclasses()}
-    assert "aioep._session_plan.PlanStep" in names
+    assert "aioep._session.plan.PlanStep" in names
     assert len(names) >= 10
 
 

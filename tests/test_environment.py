@@ -23,7 +23,7 @@ from _factories import (
 )
 
 import aioep
-from aioep import _registry
+from aioep._environment import registry as _registry
 
 pytestmark = pytest.mark.anyio
 
@@ -83,7 +83,7 @@ async def test_async_with_makes_current_and_restores() -> None:
 
 async def test_async_with_starts_backends_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     # Backend start-up (imports, driver init, library registration) can be slow.
-    import aioep._environment as environment_module
+    import aioep._environment.environment as environment_module
 
     started_on: list[int] = []
     host_factory = environment_module.HostFactory

@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 import aioep
-from aioep._errors import translate_backend_error
+from aioep._base.errors import translate_backend_error
 
 
 @pytest.mark.parametrize(

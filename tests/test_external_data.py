@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import aioep
-from aioep._chunked_loader import ChunkedExternalDataLoader
-from aioep._external_data import ExternalDataLoader
-from aioep._external_data_info import resolve_location
+from aioep._external_data.chunked_loader import ChunkedExternalDataLoader
+from aioep._external_data.info import resolve_location
+from aioep._external_data.loading import ExternalDataLoader
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402

@@ -26,7 +26,7 @@ from _factories import MakeEnv
 
 import aioep
 from aioep import InvalidArgument, MemoryType
-from aioep._dlpack import (
+from aioep._interop.dlpack import (
     DLDataType,
     DLDevice,
     DLManagedTensor,

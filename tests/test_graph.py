@@ -12,7 +12,7 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 from aioep import InvalidArgument, NoSuchFile  # noqa: E402
-from aioep._graph import GraphView  # noqa: E402
+from aioep._graph.graph import GraphView  # noqa: E402
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=17):
@@ -107,7 +107,7 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_extract_model_caps_the_ir_version_to_the_installed_onnxruntime() -> None:
-    from aioep._ort_compat import ort_limits
+    from aioep._graph.ort_compat import ort_limits
 
     limits = ort_limits()
     assert limits is not None
@@ -124,7 +124,7 @@ def test_extract_model_caps_the_ir_version_to_the_installed_onnxruntime() -> Non
 
 
 def test_extract_model_refuses_an_opset_onnxruntime_does_not_know() -> None:
-    from aioep._ort_compat import ort_limits
+    from aioep._graph.ort_compat import ort_limits
 
     limits = ort_limits()
     assert limits is not None

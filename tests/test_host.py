@@ -11,8 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aioep
-from aioep._host import HostAllocator, HostDataTransfer, HostFactory, _split, host_hardware_device
-from aioep._tensor import HOST_MEMORY_INFO
+from aioep._devices.host import (
+    HostAllocator,
+    HostDataTransfer,
+    HostFactory,
+    _split,
+    host_hardware_device,
+)
+from aioep._tensors.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 
@@ -140,7 +146,7 @@ def test_split_covers_every_byte_once(sizes: list[int], parts: int) -> None:
 def test_parallel_copy_uses_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import aioep._host as host
+    import aioep._devices.host as host
 
     threads: set[str] = set()
     sizes: list[int] = []

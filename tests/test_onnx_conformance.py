@@ -53,7 +53,7 @@ from onnx.backend.test.case.test_case import TestCase  # noqa: E402
 from onnx.backend.test.loader import load_model_tests  # noqa: E402
 
 import aioep.onnx_backend  # noqa: E402
-from aioep._ort_compat import ort_limits  # noqa: E402
+from aioep._graph.ort_compat import ort_limits  # noqa: E402
 from aioep.onnx_backend import AioepBackend  # noqa: E402
 
 os.environ.setdefault("ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER", "1")

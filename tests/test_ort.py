@@ -553,7 +553,7 @@ def test_no_adapter_is_device_error_not_abort(webgpu_path: str) -> None:
 
 
 def test_arena_options_out_of_range_are_invalid_argument(webgpu_path: str) -> None:
-    arena = importlib.util.find_spec("aioep._arena") is not None
+    arena = importlib.util.find_spec("aioep._memory.arena") is not None
     code = _PRELUDE + textwrap.dedent(
         f"""
         try:   # ORT's OrtArenaCfg key: stored unchecked by ORT (crashes later); refused here
@@ -576,7 +576,9 @@ def test_arena_options_out_of_range_are_invalid_argument(webgpu_path: str) -> No
     assert "caught" in proc.stdout
     assert "SURVIVED" in proc.stdout
     if not arena:
-        pytest.skip("aioep._arena is not there yet: only the DEVICE-allocator key was checked")
+        pytest.skip(
+            "aioep._memory.arena is not there yet: only the DEVICE-allocator key was checked"
+        )
     assert "caught arena" in proc.stdout
 
 

@@ -49,7 +49,7 @@ async def test_env(aioep_env):
 
 def test_entry_point_is_registered() -> None:
     eps = [e for e in importlib.metadata.entry_points(group="pytest11") if e.name == "aioep"]
-    assert [e.value for e in eps] == ["aioep._pytest_entry:entry_point"]
+    assert [e.value for e in eps] == ["aioep._tools.pytest_entry:entry_point"]
 
 
 def test_the_entry_point_leaves_the_plugin_module_unimported() -> None:

@@ -20,13 +20,13 @@ from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 import aioep  # noqa: E402
-import aioep._session_plan  # noqa: E402
+import aioep._session.plan  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
-from aioep._ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
-from aioep._graph import GraphView  # noqa: E402
-from aioep._host import HostAllocator  # noqa: E402
-from aioep._session_plan import CopyPoint  # noqa: E402
-from aioep._tensor import HOST_MEMORY_INFO  # noqa: E402
+from aioep._devices.host import HostAllocator  # noqa: E402
+from aioep._graph.graph import GraphView  # noqa: E402
+from aioep._session.ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
+from aioep._session.plan import CopyPoint  # noqa: E402
+from aioep._tensors.tensor import HOST_MEMORY_INFO  # noqa: E402
 from aioep.abc import EpFactory, ThreadStream  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -351,7 +351,7 @@ async def test_matches_onnxruntime(dtype: Any) -> None:
 async def test_models_newer_than_onnxruntime_are_stamped_or_refused(split: bool) -> None:
     # onnx stamps new models with its newest IR version, which an older onnxruntime refuses
     # (onnx 1.23 writes IR 14; onnxruntime 1.23 loads up to 11): aioep caps it.
-    from aioep._ort_compat import ort_limits
+    from aioep._graph.ort_compat import ort_limits
 
     limits = ort_limits()
     assert limits is not None
@@ -385,7 +385,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
 ) -> None:
     # Each can be long on a large model (an external-data read, an ORT session build).
     threads: dict[str, int] = {}
-    real_read = aioep._session_plan._read_initializers
+    real_read = aioep._session.plan._read_initializers
 
     def read(graph: GraphView, names: list[str]) -> list[np.ndarray]:
         threads["read"] = threading.get_ident()
@@ -395,7 +395,7 @@ async def test_claims_initializer_reads_and_compile_run_off_the_loop(
         threads["claim"] = threading.get_ident()
         return claim_ops("MatMul", "Add")(graph)
 
-    monkeypatch.setattr(aioep._session_plan, "_read_initializers", read)
+    monkeypatch.setattr(aioep._session.plan, "_read_initializers", read)
     async with (
         environment(ep=claim) as (env, devs),
         await env.create_session(mlp(), [devs["ep"]]) as sess,

@@ -22,10 +22,10 @@ from aioep import (
     MemoryInfo,
     MemoryType,
 )
-from aioep._arena import ArenaAllocator
-from aioep._factory import FactoryOptions
-from aioep._host import HostAllocator
-from aioep._types import HOST_MEMORY_DEVICE
+from aioep._base.types import HOST_MEMORY_DEVICE
+from aioep._devices.factory import FactoryOptions
+from aioep._devices.host import HostAllocator
+from aioep._memory.arena import ArenaAllocator
 
 pytestmark = pytest.mark.anyio
 

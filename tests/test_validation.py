@@ -37,8 +37,8 @@ from aioep import (
     MemoryType,
     NoSuchFile,
 )
-from aioep._tensor import HOST_MEMORY_INFO
-from aioep._types import HOST_MEMORY_DEVICE
+from aioep._base.types import HOST_MEMORY_DEVICE
+from aioep._tensors.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 
@@ -274,12 +274,16 @@ CASES: dict[str, tuple[Case, type[EpError], str]] = {
         "target",
     ),
     "host copy_threads str": (
-        lambda c: c.env.register_library("h2", "aioep._host:HostFactory", {"copy_threads": "x"}),
+        lambda c: c.env.register_library(
+            "h2", "aioep._devices.host:HostFactory", {"copy_threads": "x"}
+        ),
         InvalidArgument,
         "copy_threads",
     ),
     "host copy_threads 0": (
-        lambda c: c.env.register_library("h2", "aioep._host:HostFactory", {"copy_threads": 0}),
+        lambda c: c.env.register_library(
+            "h2", "aioep._devices.host:HostFactory", {"copy_threads": 0}
+        ),
         InvalidArgument,
         "copy_threads",
     ),

@@ -43,7 +43,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._errors import InvalidArgument
+from .errors import InvalidArgument
 
 __all__ = [
     "parse_bool_option",

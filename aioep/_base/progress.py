@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ._errors import InvalidArgument
+from .errors import InvalidArgument
 
 __all__ = ["ProgressBar", "wants_bar"]
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ._errors import InvalidArgument
-from ._validate import check_int, check_type, describe
+from .errors import InvalidArgument
+from .validate import check_int, check_type, describe
 
 _MAX_ID = (1 << 32) - 1  # vendor and device ids are uint32 in ORT
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InvalidArgument
+from .errors import InvalidArgument
 
 __all__ = [
     "MAX_DIM",

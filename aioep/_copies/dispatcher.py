@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._errors import InvalidArgument, translate_backend_error
-from ._foreign import import_copy_args, importers_of
-from ._future import CopyFuture
-from ._host import HOST_EP_NAME, lower_thread_priority
-from ._importer import MemoryImporter
-from ._notification import Notification
-from ._ownership import Scope
-from ._routes import RouteCache
-from ._stream import SyncStream
-from ._stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
-from ._tensor import Tensor
-from ._transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
+from .._base.errors import InvalidArgument, translate_backend_error
+from .._devices.host import HOST_EP_NAME, lower_thread_priority
+from .._interop.foreign import import_copy_args, importers_of
+from .._interop.importer import MemoryImporter
+from .._memory.transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
+from .._streams.notification import Notification
+from .._streams.routes import RouteCache
+from .._streams.stream import SyncStream
+from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
+from .._tensors.ownership import Scope
+from .._tensors.tensor import Tensor
+from .future import CopyFuture
 
 if TYPE_CHECKING:
-    from ._registry import Library
+    from .._environment.registry import Library
 
 __all__ = ["CopyDispatcher"]
 

@@ -7,12 +7,12 @@ import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from ._errors import EpError, InvalidArgument
-from ._notification import Notification, device_error
-from ._stream_impl import call_reporting
-from ._tensor import Tensor
-from ._validate import check_timeout
-from ._wake import wait_for
+from .._base.errors import EpError, InvalidArgument
+from .._base.validate import check_timeout
+from .._streams.notification import Notification, device_error
+from .._streams.stream_impl import call_reporting
+from .._streams.wake import wait_for
+from .._tensors.tensor import Tensor
 
 __all__ = ["CopyFuture", "CopyStatus"]
 

@@ -7,14 +7,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidArgument
-from ._types import HardwareDevice, MemoryInfo, MemoryType
-from ._validate import check_options, check_type
+from .._base.errors import InvalidArgument
+from .._base.types import HardwareDevice, MemoryInfo, MemoryType
+from .._base.validate import check_options, check_type
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._factory import EpFactory
-    from ._stream import SyncStream
+    from .._environment.environment import Environment
+    from .._streams.stream import SyncStream
+    from .factory import EpFactory
 
 __all__ = ["EpDevice"]
 

@@ -6,17 +6,17 @@ import abc
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._allocator import Allocator
-from ._errors import NotImplementedByEp
-from ._stream_impl import StreamImpl
-from ._transfer import DataTransfer
-from ._types import HardwareDevice, MemoryDevice, MemoryInfo
+from .._base.errors import NotImplementedByEp
+from .._base.types import HardwareDevice, MemoryDevice, MemoryInfo
+from .._memory.allocator import Allocator
+from .._memory.transfer import DataTransfer
+from .._streams.stream_impl import StreamImpl
 
 if TYPE_CHECKING:
-    from ._device import EpDevice
-    from ._ep import Ep
-    from ._external_data_loader import ExternalDataLoader
-    from ._importer import MemoryImporter
+    from .._external_data.loader import ExternalDataLoader
+    from .._interop.importer import MemoryImporter
+    from .._session.ep import Ep
+    from .device import EpDevice
 
 __all__ = ["EpFactory", "FactoryOptions"]
 

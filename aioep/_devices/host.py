@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._allocator import Allocator
-from ._device import EpDevice
-from ._errors import DeviceError, InvalidArgument
-from ._factory import EpFactory, FactoryOptions
-from ._importer import HostMemoryImporter, MemoryImporter
-from ._stream_impl import StreamImpl, ThreadStream
-from ._tensor import HOST_MEMORY_INFO, Buffer
-from ._transfer import CopyPair, DataTransfer
-from ._types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
+from .._base.errors import DeviceError, InvalidArgument
+from .._base.types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
+from .._interop.importer import HostMemoryImporter, MemoryImporter
+from .._memory.allocator import Allocator
+from .._memory.transfer import CopyPair, DataTransfer
+from .._streams.stream_impl import StreamImpl, ThreadStream
+from .._tensors.tensor import HOST_MEMORY_INFO, Buffer
+from .device import EpDevice
+from .factory import EpFactory, FactoryOptions
 
 if TYPE_CHECKING:
-    from ._stream import SyncStream
+    from .._streams.stream import SyncStream
 
 __all__ = ["HostAllocator", "HostDataTransfer", "HostFactory", "host_hardware_device"]
 

@@ -2,8 +2,8 @@
 streams and copies (ORT's ``OrtEnv``).
 
 :class:`Environment` is a facade over three parts with one job each: the library
-registry (``_registry``), the shared allocators (``_shared_allocators``) and the copy
-dispatcher (``_copy``). It owns the lifecycle and the context's current environment.
+registry (``registry``), the shared allocators (``shared_allocators``) and the copy
+dispatcher (``aioep._copies.dispatcher``). It owns the lifecycle and the context's current environment.
 """
 
 from __future__ import annotations
@@ -21,21 +21,28 @@ import anyio.to_thread
 import numpy.typing as npt
 from anyio.abc import AsyncResource
 
-from ._allocator import Allocator
-from ._copy import CopyDispatcher
-from ._device import EpDevice
-from ._errors import ClosedError, EpError, InvalidArgument
-from ._external_data import ExternalDataLoader, load_initializers
-from ._future import CopyFuture
-from ._host import HOST_EP_NAME, HostFactory
-from ._ownership import Scope
-from ._registry import BACKEND_GROUP, LibraryRegistry
-from ._shared_allocators import SharedAllocators
-from ._stream import SyncStream
-from ._tensor import Tensor
-from ._transfer import TensorLike
-from ._types import AllocatorType, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
-from ._validate import check_options, check_type, describe
+from .._base.errors import ClosedError, EpError, InvalidArgument
+from .._base.types import (
+    AllocatorType,
+    DeviceType,
+    HardwareDevice,
+    MemoryDevice,
+    MemoryInfo,
+    MemoryType,
+)
+from .._base.validate import check_options, check_type, describe
+from .._copies.dispatcher import CopyDispatcher
+from .._copies.future import CopyFuture
+from .._devices.device import EpDevice
+from .._devices.host import HOST_EP_NAME, HostFactory
+from .._external_data.loading import ExternalDataLoader, load_initializers
+from .._memory.allocator import Allocator
+from .._memory.transfer import TensorLike
+from .._streams.stream import SyncStream
+from .._tensors.ownership import Scope
+from .._tensors.tensor import Tensor
+from .registry import BACKEND_GROUP, LibraryRegistry
+from .shared_allocators import SharedAllocators
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 
@@ -55,13 +62,13 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-# Sessions sit in the layer above the environment: aioep._session hands its create_session
+# Sessions sit in the layer above the environment: aioep._session.session hands its create_session
 # in here when it is imported (aioep/__init__.py imports it), so no import goes upward.
 _session_factory: list[Callable[..., Awaitable[Any]]] = []
 
 
 def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
-    """Install the function behind :meth:`Environment.create_session` (``aioep._session``)."""
+    """Install the function behind :meth:`Environment.create_session` (``aioep._session.session``)."""
     _session_factory[:] = [create]
 
 
@@ -465,7 +472,7 @@ class Environment(AsyncResource):
     ) -> dict[str, Tensor]:
         """Load a model's initializers onto ``ep_device`` (external data straight to the device).
 
-        See :func:`aioep._external_data.load_initializers` for ``options``.
+        See :func:`aioep._external_data.loading.load_initializers` for ``options``.
         """
         self._check_open()
         return await load_initializers(self, model, ep_device, names, **options)

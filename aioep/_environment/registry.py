@@ -15,9 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._allocator import Allocator
-from ._device import EpDevice
-from ._errors import (
+from .._base.errors import (
     EpError,
     ErrorCode,
     InUseError,
@@ -26,17 +24,19 @@ from ._errors import (
     NotImplementedByEp,
     translate_backend_error,
 )
-from ._external_data import ExternalDataLoader
-from ._factory import EpFactory
-from ._host import HOST_EP_NAME, host_hardware_device
-from ._stream import SyncStream
-from ._stream_impl import StreamImpl
-from ._transfer import DataTransfer
-from ._types import DeviceType, HardwareDevice, MemoryInfo, MemoryType
+from .._base.types import DeviceType, HardwareDevice, MemoryInfo, MemoryType
+from .._devices.device import EpDevice
+from .._devices.factory import EpFactory
+from .._devices.host import HOST_EP_NAME, host_hardware_device
+from .._external_data.loading import ExternalDataLoader
+from .._memory.allocator import Allocator
+from .._memory.transfer import DataTransfer
+from .._streams.stream import SyncStream
+from .._streams.stream_impl import StreamImpl
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._shared_allocators import SharedAllocators
+    from .environment import Environment
+    from .shared_allocators import SharedAllocators
 
 __all__ = ["BACKEND_GROUP", "Library", "LibraryRegistry"]
 

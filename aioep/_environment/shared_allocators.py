@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from ._allocator import Allocator
-from ._errors import InvalidArgument
-from ._host import HOST_EP_NAME
-from ._ownership import Origin, Scope
-from ._tensor import Tensor, _normalize_shape
-from ._types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
-from ._validate import check_dtype
+from .._base.errors import InvalidArgument
+from .._base.types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
+from .._base.validate import check_dtype
+from .._devices.host import HOST_EP_NAME
+from .._memory.allocator import Allocator
+from .._tensors.ownership import Origin, Scope
+from .._tensors.tensor import Tensor, _normalize_shape
 
 if TYPE_CHECKING:
-    from ._device import EpDevice
-    from ._registry import Library
-    from ._stream import SyncStream
+    from .._devices.device import EpDevice
+    from .._streams.stream import SyncStream
+    from .registry import Library
 
 __all__ = ["SharedAllocators", "make_allocator"]
 
@@ -136,7 +136,7 @@ class SharedAllocators:
                 )
             allocator = make_allocator(lib, info, factory_opts or None, self.scope)
         else:
-            from ._arena import ArenaAllocator, ArenaConfig
+            from .._memory.arena import ArenaAllocator, ArenaConfig
 
             config = ArenaConfig.from_options(arena_opts)
             base = make_allocator(lib, info, factory_opts or None, self.scope)

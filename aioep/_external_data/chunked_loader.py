@@ -12,15 +12,15 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import EpError, InUseError, InvalidArgument
-from ._external_data_loader import ExternalDataLoader
-from ._tensor import Tensor
-from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo, MemoryType
+from .._base.errors import EpError, InUseError, InvalidArgument
+from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo, MemoryType
+from .._tensors.tensor import Tensor
+from .loader import ExternalDataLoader
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._future import CopyFuture
-    from ._stream import SyncStream
+    from .._copies.future import CopyFuture
+    from .._environment.environment import Environment
+    from .._streams.stream import SyncStream
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedExternalDataLoader"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import ErrorCode, InvalidArgument, NoSuchFile, NotImplementedByEp
+from .._base.errors import ErrorCode, InvalidArgument, NoSuchFile, NotImplementedByEp
 
 __all__ = ["ExternalData", "InitializerSpec", "read_initializers", "resolve_location"]
 

@@ -8,9 +8,9 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._stream import SyncStream
-    from ._tensor import Tensor
-    from ._types import MemoryInfo
+    from .._base.types import MemoryInfo
+    from .._streams.stream import SyncStream
+    from .._tensors.tensor import Tensor
 
 __all__ = ["ExternalDataLoader"]
 

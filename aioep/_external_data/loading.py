@@ -4,8 +4,8 @@ device memory, through external data loaders (ORT's ``IExternalDataLoader``).
 A factory offers a loader through ``create_external_data_loader()``; the
 environment picks the first registered one whose ``can_load`` accepts the
 destination's memory info. Devices whose factory offers none use the built-in
-:class:`~aioep._chunked_loader.ChunkedExternalDataLoader`. Every initializer is
-validated (see :mod:`aioep._external_data_info`) before anything is allocated.
+:class:`~aioep._external_data.chunked_loader.ChunkedExternalDataLoader`. Every initializer is
+validated (see :mod:`aioep._external_data.info`) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from ._chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
-from ._device import EpDevice
-from ._errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
-from ._external_data_info import InitializerSpec, read_initializers
-from ._external_data_loader import ExternalDataLoader
-from ._progress import ProgressBar, wants_bar
-from ._stream import SyncStream
-from ._types import MemoryInfo, MemoryType
+from .._base.errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
+from .._base.progress import ProgressBar, wants_bar
+from .._base.types import MemoryInfo, MemoryType
+from .._devices.device import EpDevice
+from .._streams.stream import SyncStream
+from .chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
+from .info import InitializerSpec, read_initializers
+from .loader import ExternalDataLoader
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._tensor import Tensor
+    from .._environment.environment import Environment
+    from .._tensors.tensor import Tensor
 
 __all__ = ["ExternalDataLoader", "load_initializers"]
 

@@ -15,10 +15,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._errors import InvalidArgument, NoSuchFile
-from ._graph_inference import GraphValues
-from ._graph_order import grouped_runs, topological_order
-from ._graph_types import (
+from .._base.errors import InvalidArgument, NoSuchFile
+from .inference import GraphValues
+from .onnx_models import extract_model
+from .order import grouped_runs, topological_order
+from .types import (
     _GRAPH_ATTRIBUTE_TYPES,
     Initializer,
     Node,
@@ -28,7 +29,6 @@ from ._graph_types import (
     _onnx,
     _value_info,
 )
-from ._onnx_models import extract_model
 
 __all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ._graph_types import Initializer, ValueInfo, _onnx, _value_info
+from .types import Initializer, ValueInfo, _onnx, _value_info
 
 __all__ = ["GraphValues"]
 

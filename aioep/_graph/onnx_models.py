@@ -7,12 +7,12 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NotImplementedByEp
-from ._graph_types import _onnx
-from ._ort_compat import ir_version_for_ort
+from .._base.errors import NotImplementedByEp
+from .ort_compat import ir_version_for_ort
+from .types import _onnx
 
 if TYPE_CHECKING:
-    from ._graph import GraphView
+    from .graph import GraphView
 
 __all__ = ["extract_model", "whole_model_source"]
 

@@ -7,7 +7,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._errors import InvalidArgument
+from .._base.errors import InvalidArgument
 
 __all__ = ["grouped_runs", "topological_order"]
 

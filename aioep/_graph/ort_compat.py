@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidArgument
+from .._base.errors import InvalidArgument
 
 __all__ = ["OrtLimits", "ir_version_for_ort", "ort_limits"]
 

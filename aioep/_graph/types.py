@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument, NoSuchFile, import_optional
+from .._base.errors import InvalidArgument, NoSuchFile, import_optional
 
 __all__ = ["Dim", "Initializer", "Node", "ValueInfo"]
 

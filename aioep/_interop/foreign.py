@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._dlpack import MAX_VERSION, DLDeviceType, read_capsule
-from ._errors import InvalidArgument
-from ._importer import MemoryImporter
-from ._notification import Notification
-from ._stream import SyncStream
-from ._stream_impl import NotificationImpl, StreamImpl
-from ._tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
+from .._base.errors import InvalidArgument
+from .._streams.notification import Notification
+from .._streams.stream import SyncStream
+from .._streams.stream_impl import NotificationImpl, StreamImpl
+from .._tensors.tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
+from .dlpack import MAX_VERSION, DLDeviceType, read_capsule
+from .importer import MemoryImporter
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._factory import EpFactory
+    from .._devices.factory import EpFactory
+    from .._environment.environment import Environment
 
 __all__ = [
     "as_tensor",

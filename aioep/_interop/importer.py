@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import DLDeviceType
-from ._stream_impl import NotificationImpl, StreamImpl
-from ._tensor import HOST_MEMORY_INFO
-from ._types import MemoryInfo
+from .._base.types import MemoryInfo
+from .._streams.stream_impl import NotificationImpl, StreamImpl
+from .._tensors.tensor import HOST_MEMORY_INFO
+from .dlpack import DLDeviceType
 
 __all__ = ["HostMemoryImporter", "MemoryImporter"]
 

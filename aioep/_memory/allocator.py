@@ -7,14 +7,14 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._errors import ClosedError, InvalidArgument
-from ._stream import SyncStream
-from ._tensor import Buffer
-from ._types import MemoryInfo
-from ._validate import MAX_DIM
+from .._base.errors import ClosedError, InvalidArgument
+from .._base.types import MemoryInfo
+from .._base.validate import MAX_DIM
+from .._streams.stream import SyncStream
+from .._tensors.tensor import Buffer
 
 if TYPE_CHECKING:
-    from ._ownership import Origin
+    from .._tensors.ownership import Origin
 
 __all__ = ["Allocator"]
 

@@ -1,9 +1,9 @@
 """A stream-aware best-fit-with-coalescing (BFC) arena over any allocator (ORT's
 ``BFCArena`` / ``StreamAwareArena``).
 
-Three layers: the BFC core (``_bfc``: bins, chunks, regions, split and merge, no
+Three layers: the BFC core (``bfc``: bins, chunks, regions, split and merge, no
 streams or locks), the stream rule and locking here, and region sizing and give-back
-(``_arena_regions``). The arena reserves large regions from a base allocator and the
+(``arena_regions``). The arena reserves large regions from a base allocator and the
 core carves them into chunks.
 
 Stream rule (ORT's, made a little stricter): a chunk freed by a buffer that was
@@ -20,16 +20,16 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from ._allocator import Allocator
-from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
-from ._arena_pool import MAX_PARKED, PARK_MAX, StreamPool
-from ._arena_regions import RegionReturns, free_handles
-from ._bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
-from ._errors import ClosedError, InUseError, InvalidArgument
-from ._stream import SyncStream
-from ._tensor import Buffer
-from ._types import AllocatorType
-from ._validate import MAX_DIM
+from .._base.errors import ClosedError, InUseError, InvalidArgument
+from .._base.types import AllocatorType
+from .._base.validate import MAX_DIM
+from .._streams.stream import SyncStream
+from .._tensors.tensor import Buffer
+from .allocator import Allocator
+from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
+from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
+from .arena_regions import RegionReturns, free_handles
+from .bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidArgument
-from ._options import parse_int_option
+from .._base.errors import InvalidArgument
+from .._base.options import parse_int_option
 
 __all__ = ["SIZE_MAX", "ArenaConfig", "ArenaExtendStrategy"]
 

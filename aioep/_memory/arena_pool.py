@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
-from ._arena_regions import RegionReturns, RegionSizer, free_handles
-from ._bfc import Chunk, Region
-from ._errors import DeviceError, EpError
+from .._base.errors import DeviceError, EpError
+from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
+from .arena_regions import RegionReturns, RegionSizer, free_handles
+from .bfc import Chunk, Region
 
 if TYPE_CHECKING:
-    from ._allocator import Allocator
-    from ._stream import SyncStream
+    from .._streams.stream import SyncStream
+    from .allocator import Allocator
 
 __all__ = ["StreamPool", "idle", "usable"]
 

@@ -7,12 +7,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._arena_config import ArenaConfig, ArenaExtendStrategy
-from ._bfc import BfcCore, Region
+from .arena_config import ArenaConfig, ArenaExtendStrategy
+from .bfc import BfcCore, Region
 
 if TYPE_CHECKING:
-    from ._notification import Notification
-    from ._tensor import Buffer
+    from .._streams.notification import Notification
+    from .._tensors.tensor import Buffer
 
 __all__ = ["RegionReturns", "RegionSizer"]
 

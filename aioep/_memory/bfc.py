@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 
-from ._errors import InvalidArgument
+from .._base.errors import InvalidArgument
 
 __all__ = ["MIN_ALLOCATION_SIZE", "NUM_BINS", "BfcCore", "Chunk", "Region"]
 

@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument, NotImplementedByEp
-from ._ownership import Scope, check_owner
-from ._routes import Route, RouteCache, RouteKey
-from ._stream_impl import NotificationImpl, StreamImpl
-from ._tensor import Tensor, as_tensor
-from ._types import MemoryDevice
+from .._base.errors import InvalidArgument, NotImplementedByEp
+from .._base.types import MemoryDevice
+from .._streams.routes import Route, RouteCache, RouteKey
+from .._streams.stream_impl import NotificationImpl, StreamImpl
+from .._tensors.ownership import Scope, check_owner
+from .._tensors.tensor import Tensor, as_tensor
 
 __all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
 
@@ -170,7 +170,7 @@ def plan_copies(
     non-contiguous source array gets an empty contiguous staging array, filled by
     :meth:`CopyPlan.pack` where the copy runs (off the loop), instead of being
     packed here. With ``scope`` (the environment's), device tensors of another
-    environment are refused (see :func:`aioep._ownership.check_owner`).
+    environment are refused (see :func:`aioep._tensors.ownership.check_owner`).
     """
     _check_sequence("src", src)
     _check_sequence("dst", dst)

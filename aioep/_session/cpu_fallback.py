@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import DeviceError, EpError, import_optional
-from ._onnx_models import whole_model_source
-from ._ort_compat import ir_version_for_ort
-from ._session_values import contiguous
-from ._tensor import Tensor
+from .._base.errors import DeviceError, EpError, import_optional
+from .._graph.onnx_models import whole_model_source
+from .._graph.ort_compat import ir_version_for_ort
+from .._tensors.tensor import Tensor
+from .values import contiguous
 
 if TYPE_CHECKING:
-    from ._graph import GraphView
-    from ._session_plan import PlanStep
+    from .._graph.graph import GraphView
+    from .plan import PlanStep
 
 __all__ = ["from_ort", "load_parts", "load_whole", "run_ort", "to_ort", "use_whole"]
 

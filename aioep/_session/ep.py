@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from ._errors import ClosedError, InvalidArgument
-from ._tensor import Tensor
-from ._types import MemoryInfo, MemoryType
+from .._base.errors import ClosedError, InvalidArgument
+from .._base.types import MemoryInfo, MemoryType
+from .._tensors.tensor import Tensor
 
 if TYPE_CHECKING:
-    from ._device import EpDevice
-    from ._environment import Environment
-    from ._graph import GraphView, Node
-    from ._stream import SyncStream
+    from .._devices.device import EpDevice
+    from .._environment.environment import Environment
+    from .._graph.graph import GraphView, Node
+    from .._streams.stream import SyncStream
 
 __all__ = ["CompiledNode", "Ep", "FusedGroup", "IndexedSubGraph", "MetaDef"]
 

@@ -10,19 +10,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument
-from ._foreign import import_value, is_foreign
-from ._notification import Notification
-from ._ownership import check_owner
-from ._session_values import InputSpec, check_type, same_memory
-from ._tensor import Tensor
-from ._types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
+from .._base.errors import InvalidArgument
+from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
+from .._interop.foreign import import_value, is_foreign
+from .._streams.notification import Notification
+from .._tensors.ownership import check_owner
+from .._tensors.tensor import Tensor
+from .values import InputSpec, check_type, same_memory
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._graph import ValueInfo
-    from ._stream import SyncStream
-    from ._stream_impl import NotificationImpl
+    from .._environment.environment import Environment
+    from .._graph.graph import ValueInfo
+    from .._streams.stream import SyncStream
+    from .._streams.stream_impl import NotificationImpl
 
 __all__ = ["IOBinding", "place_bound_outputs"]
 

@@ -8,10 +8,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._ep import Ep, IndexedSubGraph, MetaDef
-from ._errors import InvalidArgument
-from ._graph import GraphView
-from ._graph_order import grouped_runs
+from .._base.errors import InvalidArgument
+from .._graph.graph import GraphView
+from .._graph.order import grouped_runs
+from .ep import Ep, IndexedSubGraph, MetaDef
 
 _log = logging.getLogger("aioep")
 

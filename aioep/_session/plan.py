@@ -16,20 +16,20 @@ import anyio
 import anyio.to_thread
 import numpy.typing as npt
 
-from ._cpu_fallback import load_parts, use_whole
-from ._ep import CompiledNode, Ep, FusedGroup
-from ._errors import InvalidArgument
-from ._partition import Partition, assignment_of, partition_graph
-from ._progress import ProgressBar
-from ._session_values import InputSpec, contiguous, input_specs, same_memory
-from ._session_workers import Workers, wait_future
-from ._tensor import HOST_MEMORY_INFO, Tensor
-from ._types import DeviceType, MemoryDevice, MemoryInfo
+from .._base.errors import InvalidArgument
+from .._base.progress import ProgressBar
+from .._base.types import DeviceType, MemoryDevice, MemoryInfo
+from .._tensors.tensor import HOST_MEMORY_INFO, Tensor
+from .cpu_fallback import load_parts, use_whole
+from .ep import CompiledNode, Ep, FusedGroup
+from .partition import Partition, assignment_of, partition_graph
+from .values import InputSpec, contiguous, input_specs, same_memory
+from .workers import Workers, wait_future
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._graph import GraphView
-    from ._stream import SyncStream
+    from .._environment.environment import Environment
+    from .._graph.graph import GraphView
+    from .._streams.stream import SyncStream
 
 __all__ = ["CopyPoint", "PlanStep", "SessionPlan"]
 

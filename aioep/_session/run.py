@@ -19,20 +19,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._cpu_fallback import from_ort, run_ort, to_ort
-from ._errors import DeviceError, EpError, InvalidArgument
-from ._foreign import import_feeds
-from ._session_values import RunValue, bind_inputs, host_feeds, same_memory
-from ._stream import SyncStream
-from ._tensor import Tensor
-from ._types import DeviceType, MemoryDevice
+from .._base.errors import DeviceError, EpError, InvalidArgument
+from .._base.types import DeviceType, MemoryDevice
+from .._interop.foreign import import_feeds
+from .._streams.stream import SyncStream
+from .._tensors.tensor import Tensor
+from .cpu_fallback import from_ort, run_ort, to_ort
+from .values import RunValue, bind_inputs, host_feeds, same_memory
 
 if TYPE_CHECKING:
-    from ._environment import Environment
-    from ._ep import Ep
-    from ._notification import Notification
-    from ._session_plan import PlanStep, SessionPlan
-    from ._session_workers import Workers
+    from .._environment.environment import Environment
+    from .._streams.notification import Notification
+    from .ep import Ep
+    from .plan import PlanStep, SessionPlan
+    from .workers import Workers
 
 __all__ = ["Runner"]
 

@@ -1,10 +1,10 @@
 """Inference sessions: a model partitioned across EPs, run with awaitable, stream-ordered
 copies between the partitions.
 
-A session is a plan (:mod:`aioep._session_plan`: the partitions in run order, where
+A session is a plan (:mod:`aioep._session.plan`: the partitions in run order, where
 values live and cross memories, the compiled EP nodes and the onnxruntime sessions of
 the CPU fallback), built once by :func:`create_session`, and a runner
-(:mod:`aioep._session_run`) that executes the plan for each ``run``.
+(:mod:`aioep._session.run`) that executes the plan for each ``run``.
 """
 
 from __future__ import annotations
@@ -21,26 +21,26 @@ import anyio.to_thread
 import numpy.typing as npt
 from anyio.abc import AsyncResource
 
-from ._cpu_fallback import load_whole
-from ._device import EpDevice
-from ._environment import set_session_factory
-from ._ep import Ep
-from ._errors import ClosedError, EpError, InvalidArgument
-from ._graph import GraphView
-from ._host import HOST_EP_NAME
-from ._io_binding import IOBinding, place_bound_outputs
-from ._partition import CPU_EP_NAME
-from ._progress import wants_bar
-from ._session_plan import SessionPlan
-from ._session_run import Runner
-from ._session_workers import Workers
-from ._stream import SyncStream
-from ._tensor import Tensor
-from ._types import MemoryDevice
-from ._validate import check_int, check_options
+from .._base.errors import ClosedError, EpError, InvalidArgument
+from .._base.progress import wants_bar
+from .._base.types import MemoryDevice
+from .._base.validate import check_int, check_options
+from .._devices.device import EpDevice
+from .._devices.host import HOST_EP_NAME
+from .._environment.environment import set_session_factory
+from .._graph.graph import GraphView
+from .._streams.stream import SyncStream
+from .._tensors.tensor import Tensor
+from .cpu_fallback import load_whole
+from .ep import Ep
+from .io_binding import IOBinding, place_bound_outputs
+from .partition import CPU_EP_NAME
+from .plan import SessionPlan
+from .run import Runner
+from .workers import Workers
 
 if TYPE_CHECKING:
-    from ._environment import Environment
+    from .._environment.environment import Environment
 
 __all__ = ["Session", "create_session"]
 

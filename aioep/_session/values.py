@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidArgument
-from ._graph_types import ValueInfo
-from ._ownership import Scope, check_owner
-from ._tensor import Tensor
-from ._types import DeviceType, MemoryDevice
+from .._base.errors import InvalidArgument
+from .._base.types import DeviceType, MemoryDevice
+from .._graph.types import ValueInfo
+from .._tensors.ownership import Scope, check_owner
+from .._tensors.tensor import Tensor
 
 if TYPE_CHECKING:
-    from ._graph import GraphView
-    from ._notification import Notification
-    from ._stream import SyncStream
+    from .._graph.graph import GraphView
+    from .._streams.notification import Notification
+    from .._streams.stream import SyncStream
 
 __all__ = [
     "InputSpec",

@@ -6,13 +6,13 @@ import traceback
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceError, EpError, InvalidArgument
-from ._stream_impl import NotificationImpl, StreamImpl
-from ._validate import check_timeout, describe
-from ._wake import wait_for
+from .._base.errors import DeviceError, EpError, InvalidArgument
+from .._base.validate import check_timeout, describe
+from .stream_impl import NotificationImpl, StreamImpl
+from .wake import wait_for
 
 if TYPE_CHECKING:
-    from ._stream import SyncStream
+    from .stream import SyncStream
 
 __all__ = ["Notification"]
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._transfer import DataTransfer
-    from ._types import MemoryDevice
+    from .._base.types import MemoryDevice
+    from .._memory.transfer import DataTransfer
 
 __all__ = ["Route", "RouteCache", "RouteKey"]
 

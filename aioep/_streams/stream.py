@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import AsyncResource
 
-from ._errors import ClosedError, InvalidArgument, NotImplementedByEp
-from ._notification import Notification
-from ._routes import RouteCache
-from ._stream_impl import StreamImpl
+from .._base.errors import ClosedError, InvalidArgument, NotImplementedByEp
+from .notification import Notification
+from .routes import RouteCache
+from .stream_impl import StreamImpl
 
 if TYPE_CHECKING:
-    from ._device import EpDevice
+    from .._devices.device import EpDevice
 
 __all__ = ["SyncStream"]
 

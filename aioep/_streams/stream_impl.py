@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import ClosedError, NotImplementedByEp
+from .._base.errors import ClosedError, NotImplementedByEp
 
 __all__ = [
     "HostNotification",

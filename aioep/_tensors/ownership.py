@@ -22,10 +22,10 @@ import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Final
 
-from ._errors import ClosedError, InvalidArgument
+from .._base.errors import ClosedError, InvalidArgument
 
 if TYPE_CHECKING:
-    from ._tensor import Buffer, Tensor
+    from .tensor import Buffer, Tensor
 
 __all__ = ["FOREIGN", "Origin", "Scope", "check_owner", "origin_of"]
 

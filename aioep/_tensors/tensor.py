@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InUseError, InvalidArgument
-from ._types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
-from ._validate import MAX_DIM, check_dtype, check_int, describe
+from .._base.errors import InUseError, InvalidArgument
+from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
+from .._base.validate import MAX_DIM, check_dtype, check_int, describe
 
 if TYPE_CHECKING:
-    from ._allocator import Allocator
+    from .._memory.allocator import Allocator
 
 __all__ = [
     "HOST_MEMORY_INFO",

@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from ._environment import Environment
-from .pytest_plugin import _LOOP_SCOPES, _environment_for
+from .._environment.environment import Environment
+from .pytest_env import LOOP_SCOPES, environment_for
 
 __all__: list[str] = []
 
 
 def _fixture_for(loop_scope: Any) -> Callable[..., Any]:
     async def env_on_loop(request: pytest.FixtureRequest) -> AsyncIterator[Environment]:
-        async with _environment_for(request) as env:
+        async with environment_for(request) as env:
             yield env
 
     env_on_loop.__doc__ = f"``aioep_env`` for a pytest-asyncio test in a {loop_scope}-scoped loop."
@@ -32,5 +32,5 @@ def _fixture_for(loop_scope: Any) -> Callable[..., Any]:
     )
 
 
-for _scope in _LOOP_SCOPES:
+for _scope in LOOP_SCOPES:
     globals()[f"_aioep_env_asyncio_{_scope}"] = _fixture_for(_scope)

@@ -42,12 +42,12 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
-from ._device import EpDevice
-from ._environment import Environment
-from ._errors import InvalidArgument
-from ._stream import SyncStream
-from ._tensor import Tensor
-from ._types import DeviceType, MemoryType
+from .._base.errors import InvalidArgument
+from .._base.types import DeviceType, MemoryType
+from .._devices.device import EpDevice
+from .._environment.environment import Environment
+from .._streams.stream import SyncStream
+from .._tensors.tensor import Tensor
 
 if TYPE_CHECKING:
     import pyperf

@@ -29,11 +29,11 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from ._device import EpDevice
-from ._environment import Environment
-from ._errors import ClosedError, EpError, InvalidArgument, NotImplementedByEp
-from ._session import Session
-from ._tensor import Tensor
+from .._base.errors import ClosedError, EpError, InvalidArgument, NotImplementedByEp
+from .._devices.device import EpDevice
+from .._environment.environment import Environment
+from .._session.session import Session
+from .._tensors.tensor import Tensor
 
 try:
     import onnx
@@ -396,7 +396,7 @@ def _node_model(
     outputs_info: Sequence[tuple[Any, tuple[int, ...]]] | None,
     opset: int | None,
 ) -> Any:
-    from ._ort_compat import ort_limits
+    from .._graph.ort_compat import ort_limits
 
     h = onnx.helper
     values = _node_inputs(node, inputs)
