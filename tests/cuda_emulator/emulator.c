@@ -258,7 +258,7 @@ static void misuse(const char *fmt, ...) {
 static long g_loop_tids[MAX_LOOP_THREADS];
 
 /* watch_is_loop (CUEMU_WATCH_IS_LOOP=1): the watch_tid thread counts as marked too, so a
- * test suite that watches its event loop (tests/test_cuda.py) runs under rule 5 unchanged. */
+ * test suite that watches its event loop (tests/backends/cuda/test_cuda.py) runs under rule 5 unchanged. */
 static int is_loop_thread(long tid) {
     if (cfg.watch_is_loop && cfg.watch_tid && tid == cfg.watch_tid)
         return 1;

@@ -1,6 +1,6 @@
 """Run every test function of a test file in its own process and say how each ended.
 
-    python tests/cuda_emulator/run_each.py tests/test_cuda.py [--timeout 90] [-k EXPR]
+    python tests/cuda_emulator/run_each.py tests/backends/cuda/test_cuda.py [--timeout 90] [-k EXPR]
 
 Each function runs as ``python -m pytest FILE::NAME`` (all its parameters in that one
 process), so an abort or a crash in one never hides the others. Outcomes: ``pass``,

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cuda_emulator import Emulator, child_env, select_driver
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
+
+from cuda_emulator import Emulator, child_env, select_driver
 
 drv = pytest.importorskip("cuda.bindings.driver")
 pytest.importorskip("aioep_cuda")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 SIM_INSTALLED = any(
     e.name == "sim" for e in importlib.metadata.entry_points(group="aioep.backends")

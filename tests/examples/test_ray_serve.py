@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ray_serve_app.py"
 STARTUP_S = 150  # Ray, Serve's controller and proxy, 2 replicas each opening an environment
 SHUTDOWN_S = 60

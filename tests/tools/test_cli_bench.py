@@ -18,7 +18,7 @@ from aioep._tools.bench import (
     run_bench,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.anyio
 
 

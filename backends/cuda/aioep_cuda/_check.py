@@ -4,8 +4,8 @@ It runs, each in a child process (this process never loads the driver):
 
 1. a driver probe: driver and cuda-bindings versions, the driver library's path, every
    GPU's name, UUID, compute capability and memory;
-2. the CUDA tests of an aioep checkout (``tests/test_cuda.py``, ``tests/test_cuda_api.py``,
-   ``tests/test_cuda_soak.py``) so that a crash cannot hide the other tests: the files run
+2. the CUDA tests of an aioep checkout (``tests/backends/cuda/test_cuda.py``, ``tests/backends/cuda/test_cuda_api.py``,
+   ``tests/backends/cuda/test_cuda_soak.py``) so that a crash cannot hide the other tests: the files run
    in one pytest child that records each test's outcome as it ends; a test that kills the
    child (a signal) or outlives ``--test-timeout`` (the child dumps every thread's stack
    and exits) is reported as ``crash`` or ``hang`` with those stacks, and a new child runs
@@ -48,11 +48,11 @@ from typing import Any
 __all__ = ["FIGURES", "add_parser", "find_checkout", "judge", "main", "run_check", "run_tests"]
 
 _TESTS = (
-    "tests/test_cuda.py",
-    "tests/test_cuda_api.py",
-    "tests/test_cuda_soak.py",
-    "tests/test_cuda_staging.py",
-    "tests/test_foreign_tensors.py",
+    "tests/backends/cuda/test_cuda.py",
+    "tests/backends/cuda/test_cuda_api.py",
+    "tests/backends/cuda/test_cuda_soak.py",
+    "tests/backends/cuda/test_cuda_staging.py",
+    "tests/interop/test_foreign_tensors.py",
 )
 _BENCH = "benchmarks/cuda_copy.py"
 _PAGEABLE = "benchmarks/cuda_pageable.py"
@@ -297,7 +297,7 @@ def judge(results: Mapping[str, Any], *, judged: bool) -> dict[str, dict[str, An
 def find_checkout(start: Sequence[Path] = ()) -> Path | None:
     """The aioep checkout whose CUDA tests and benchmark to run: the first of ``start``, the
     working directory and its parents, and the folders the installed packages live in that
-    holds ``tests/test_cuda.py`` and ``benchmarks/cuda_copy.py``."""
+    holds ``tests/backends/cuda/test_cuda.py`` and ``benchmarks/cuda_copy.py``."""
     here = Path(__file__).resolve()
     candidates = [*start, Path.cwd(), *Path.cwd().parents, *here.parents]
     try:
@@ -1005,7 +1005,7 @@ def _command(args: argparse.Namespace) -> int:
     checkout = find_checkout([args.repo] if args.repo else [])
     if checkout is None:
         print(
-            "check-gpu: no aioep checkout found (it needs tests/test_cuda.py and "
+            "check-gpu: no aioep checkout found (it needs tests/backends/cuda/test_cuda.py and "
             "benchmarks/cuda_copy.py): run it from the checkout or pass --repo",
             file=sys.stderr,
         )

@@ -17,7 +17,7 @@ pytest.importorskip("aioep_cuda")
 
 from aioep_cuda._check import FIGURES, find_checkout, judge, run_tests
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _check_gpu(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

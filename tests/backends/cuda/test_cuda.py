@@ -51,54 +51,10 @@ def emulated_devices(count: int) -> Callable[[_F], _F]:
     return mark
 
 
-@pytest.fixture(autouse=True)
-def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
-    """For a gpu test on the emulator: offer its devices for the test, watch the test's thread
-    (the event loop) for blocking driver calls, and fail the test if the emulator saw work
-    touch freed memory or run out of order."""
-    emulator = DRIVER.emulator
-    if emulator is None or request.node.get_closest_marker("gpu") is None:
-        yield DRIVER
-        return
-    emulator.take_violation()
-    with contextlib.ExitStack() as marked:
-        if not getattr(request.function, "loop_may_wait", False):
-            # The test's thread runs the event loop: the emulator aborts if it ever has to
-            # wait in the driver (for the device, or behind another thread's synchronisation).
-            marked.enter_context(emulator.loop_thread())
-        yield from _emulated(request, emulator)
-
-
-def _emulated(request: pytest.FixtureRequest, emulator: Any) -> Iterator[Driver]:
-    with emulator.devices(getattr(request.function, "emulated_devices", 1)):
-        emulator.set("watch_tid", threading.get_native_id())
-        emulator.set("host_wait_limit_ns", 20_000_000_000)  # a hung wait fails, never hangs
-        blocked = emulator.get("watched_blocking")
-        yield DRIVER
-        gc.collect()
-        blocked = emulator.get("watched_blocking") - blocked
-        _join_releases()
-        if aioep_cuda._device._registry:  # a failed test still holds memory: the emulator
-            aioep_cuda._device._registry.clear()  # destroys its context, so forget it here
-    violation = emulator.take_violation()
-    if violation:
-        pytest.fail(f"the CUDA emulator saw a violation: {violation}")
-    if blocked and not getattr(request.function, "loop_may_wait", False):
-        pytest.fail(f"the event-loop thread waited in the CUDA driver {blocked} time(s)")
-
-
 def loop_may_wait(fn: _F) -> _F:
     """The test exercises a documented path where the caller's thread waits in the driver."""
     fn.loop_may_wait = True  # type: ignore[attr-defined]
     return fn
-
-
-def _join_releases() -> None:
-    """Wait (bounded) for shared device states being released on their own thread (memory
-    that outlived its environment came back): then no context is retained any more."""
-    for thread in threading.enumerate():
-        if thread.name == "aioep-cuda-release":
-            thread.join(20)
 
 
 # -- options (no GPU needed) ----------------------------------------------------------------
@@ -1577,7 +1533,7 @@ async def test_a_notification_outliving_its_environment_touches_no_released_hand
 @pytest.mark.gpu
 @needs_gpu
 async def test_memory_outliving_its_environment_keeps_the_context_until_dropped(
-    cuda_driver: Driver,
+    cuda_driver: Driver, join_releases: Callable[[], None]
 ) -> None:
     """A device tensor and a view of a pinned one kept past the environment's close: the
     context stays retained while they live (the pinned view stays usable), and their late
@@ -1600,7 +1556,7 @@ async def test_memory_outliving_its_environment_keeps_the_context_until_dropped(
     assert _context_retained()  # the view still holds its block
     del view
     gc.collect()
-    await anyio_to_thread(_join_releases)
+    await anyio_to_thread(join_releases)
     assert not _context_retained()
 
 

@@ -23,10 +23,10 @@ import pytest
 
 drv = pytest.importorskip("cuda.bindings.driver")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 SOURCES = [
     *sorted((ROOT / "backends" / "cuda" / "aioep_cuda").glob("*.py")),
-    ROOT / "tests" / "test_cuda.py",
+    ROOT / "tests" / "backends" / "cuda" / "test_cuda.py",
     ROOT / "benchmarks" / "cuda_copy.py",
 ]
 DRIVER_NAMES = {"drv"}  # local names the backend binds to the driver module

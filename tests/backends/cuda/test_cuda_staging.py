@@ -13,12 +13,12 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-from cuda_emulator import Driver, select_driver
+from cuda_emulator import select_driver
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,36 +40,6 @@ needs_emulator = pytest.mark.skipif(
 
 CHUNK = 4099  # odd: chunk boundaries fall at odd offsets
 _T = TypeVar("_T")
-
-
-@pytest.fixture(autouse=True)
-def cuda_driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
-    """As in test_cuda.py: on the emulator, offer a device for a gpu test, fail it if the
-    test's thread (the event loop) waited in the driver or the emulator saw a violation."""
-    emulator = DRIVER.emulator
-    if emulator is None or request.node.get_closest_marker("gpu") is None:
-        yield DRIVER
-        return
-    emulator.take_violation()
-    with emulator.devices(1):
-        emulator.set("watch_tid", threading.get_native_id())
-        emulator.set("host_wait_limit_ns", 20_000_000_000)
-        blocked = emulator.get("watched_blocking")
-        # The strict emulator (where it has the rule) aborts if this thread, the event loop,
-        # ever has to wait in the driver.
-        loop_rule = getattr(emulator, "loop_thread", None)
-        with loop_rule() if loop_rule is not None else contextlib.nullcontext():
-            yield DRIVER
-        gc.collect()
-        blocked = emulator.get("watched_blocking") - blocked
-        for thread in threading.enumerate():
-            if thread.name == "aioep-cuda-release":
-                thread.join(20)
-    violation = emulator.take_violation()
-    if violation:
-        pytest.fail(f"the CUDA emulator saw a violation: {violation}")
-    if blocked:
-        pytest.fail(f"the event-loop thread waited in the CUDA driver {blocked} time(s)")
 
 
 @pytest.fixture
