@@ -91,3 +91,62 @@ def test_project_wide_tests_alone_sit_at_the_top_of_tests() -> None:
         "test_public_api.py",
         "test_readme.py",
     ]
+
+
+# Imports made only for type hints (under ``if TYPE_CHECKING:``) that point up the layers or
+# across to an independent room, with what each names. Each is the type of an object the layer
+# above hands in; ruff's TC004 keeps the name out of run-time code, so none is an import the
+# module needs when it runs (import-linter checks the run-time imports). A new one must be
+# added here, with its reason, or the import made to point down.
+TYPE_ONLY_UPWARD = {
+    ("_tensors.tensor", "_memory.allocator"): "a buffer names the allocator that made it",
+    ("_streams.routes", "_memory.transfer"): "a route caches the data transfer it found",
+    ("_streams.stream", "_devices.device"): "a stream names its device",
+    ("_devices.device", "_environment.environment"): "a device names the environment it is in",
+    ("_devices.factory", "_session.ep"): "create_ep's return type (the plugin contract)",
+    ("_devices.factory", "_external_data.loader"): "create_external_data_loader's return type",
+    ("_interop.foreign", "_devices.factory"): "importers are cached per factory",
+    ("_interop.foreign", "_environment.environment"): "imports for the environment passed in",
+    (
+        "_copies.dispatcher",
+        "_environment.registry",
+    ): "the dispatcher reads the registered libraries",
+    ("_external_data.loading", "_environment.environment"): "loads for the environment passed in",
+    ("_external_data.chunked_loader", "_environment.environment"): "copies through the environment",
+    ("_external_data.chunked_loader", "_copies.future"): "the futures of its copies",
+}
+
+
+def layer_ranks() -> dict[str, int]:
+    layers = [str(layer) for layer in contract("core-layers")["layers"]]
+    return {
+        part.strip(): len(layers) - i for i, layer in enumerate(layers) for part in layer.split("|")
+    }
+
+
+def type_only_imports(module: Path) -> set[str]:
+    """The aioep modules that ``module`` imports under ``if TYPE_CHECKING:`` (dotted, no
+    ``aioep.`` prefix)."""
+    package = module.parent.relative_to(PACKAGE).parts
+    found = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if not (isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"):
+            continue
+        for stmt in ast.walk(node):
+            if isinstance(stmt, ast.ImportFrom) and stmt.level:
+                base = list(package[: len(package) - stmt.level + 1])
+                found.add(".".join([*base, *(stmt.module or "").split(".")]).strip("."))
+    return found
+
+
+def test_type_only_imports_that_point_up_are_known() -> None:
+    ranks = layer_ranks()
+    upward = set()
+    for name in subpackages():
+        for module in sorted((PACKAGE / name).glob("*.py")):
+            here = f"{name}.{module.stem}"
+            for target in type_only_imports(module):
+                room = target.split(".")[0]
+                if room != name and room in ranks and ranks[room] >= ranks[name]:
+                    upward.add((here, target))
+    assert upward == set(TYPE_ONLY_UPWARD)
