@@ -316,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"docs check: {len(pages)} pages in headless Chromium, offline, "
         f"{WINDOW[0]}x{WINDOW[1]}: {time.monotonic() - t0:.1f} s "
-        f"(slowest {slowest.page}, {slowest.seconds:.1f} s)"
+        f"(slowest {slowest.page}, {slowest.seconds:.1f} s)",
+        flush=True,
     )
     if problems:
         print(f"docs check: FAILED, {len(problems)} problem(s):", file=sys.stderr)
