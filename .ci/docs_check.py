@@ -60,6 +60,13 @@ PROBE = r"""
     errors.push("unhandled rejection: " + String(e.reason && (e.reason.message || e.reason)));
   });
   window.addEventListener("load", function () { loaded = true; });
+  // Before Material's own DOMContentLoaded handler, which takes the "mermaid" class off each
+  // diagram's code block until the script has loaded: mark the code blocks now.
+  document.addEventListener("DOMContentLoaded", function () {
+    document.querySelectorAll("pre.mermaid").forEach(function (pre) {
+      pre.setAttribute("data-aioep-diagram", "");
+    });
+  });
 
   function shadowOf(el) {
     for (var i = 0; i < shadows.length; i++) if (shadows[i][0] === el) return shadows[i][1];
@@ -67,7 +74,9 @@ PROBE = r"""
   }
   function diagrams() {
     var out = [];
-    document.querySelectorAll(".mermaid").forEach(function (el) {
+    // In page order: the diagrams Material rendered, and the code blocks it left as text.
+    document.querySelectorAll("div.mermaid, pre.mermaid, pre[data-aioep-diagram]")
+        .forEach(function (el) {
       var root = shadowOf(el), svg = root && root.querySelector("svg");
       var box = svg ? svg.getBoundingClientRect() : null;
       out.push({
@@ -85,14 +94,14 @@ PROBE = r"""
     var out = [];
     document.querySelectorAll("pre > code").forEach(function (code) {
       var pre = code.parentElement;
-      if (pre.classList.contains("mermaid")) return;
+      if (pre.classList.contains("mermaid") || pre.hasAttribute("data-aioep-diagram")) return;
       var over = Math.max(code.scrollWidth - code.clientWidth, pre.scrollWidth - pre.clientWidth);
       var lines = (code.textContent || "").split("\n"), longest = "";
       lines.forEach(function (l) { if (l.length > longest.length) longest = l; });
       out.push({
-        visible: code.clientWidth > 0,
+        visible: pre.clientWidth > 0,
         overflow: over,
-        width: code.clientWidth,
+        width: code.clientWidth || pre.clientWidth,
         longest: longest.slice(0, 120),
         chars: longest.length
       });
@@ -111,7 +120,7 @@ PROBE = r"""
     el.textContent = JSON.stringify(data).replace(/</g, "\\u003c");
   }
   function tick() {
-    var pending = document.querySelectorAll("pre.mermaid").length > 0 ||
+    var pending = document.querySelectorAll("pre[data-aioep-diagram]").length > 0 ||
       diagrams().some(function (d) { return !d.svg; });
     var settled = loaded && (!pending || Date.now() - started > 15000);
     report(settled);
@@ -166,13 +175,15 @@ def judge(page: str, expected: int, dom: str) -> list[str]:
             problems.append(f"{page}: diagram {i} rendered as an empty SVG")
         else:
             rendered += 1
-    if len(diagrams) < expected or re.search(r'<pre class="mermaid"', dom):
+    raw_left = re.search(r'<pre class="mermaid"|<pre [^>]*data-aioep-diagram', dom)
+    if len(diagrams) < expected or rendered < len(diagrams) or raw_left:
         problems.append(
             f"{page}: {expected} diagram(s) in the page, {rendered} rendered"
             + ("" if data.get("final") else " (the page had not settled)")
         )
     if expected and rendered < expected and data.get("errors"):
-        problems.append(f"{page}: script errors: {'; '.join(data['errors'][:3])}")
+        errors = list(dict.fromkeys(str(e).strip().split("\n")[0][:200] for e in data["errors"]))
+        problems.append(f"{page}: script errors: {'; '.join(errors[:3])}")
     for i, c in enumerate(data.get("code", []), 1):
         if c.get("visible") and c.get("overflow", 0) > 0:
             problems.append(
