@@ -36,9 +36,7 @@ from mkdocs.utils import get_relative_url
 # major it expects. Upgrading: `npm view mermaid@<version> dist.integrity`.
 MERMAID_VERSION = "11.17.2"
 MERMAID_TARBALL = f"https://registry.npmjs.org/mermaid/-/mermaid-{MERMAID_VERSION}.tgz"
-MERMAID_INTEGRITY = (
-    "sha512-V6K3C8EBdEsPFZXSKMJe6ppQOENxuHARr9GvHX4hh47lAbhMRD9qf4oEK7LoaRQxULMa80/qt5gHO73aCleBBg=="
-)
+MERMAID_INTEGRITY = "sha512-V6K3C8EBdEsPFZXSKMJe6ppQOENxuHARr9GvHX4hh47lAbhMRD9qf4oEK7LoaRQxULMa80/qt5gHO73aCleBBg=="
 MERMAID_MEMBER = "package/dist/mermaid.min.js"
 SITE_PATH = "javascripts/vendor/mermaid.min.js"
 
