@@ -6,7 +6,9 @@ script, which it fetches from unpkg.com unless ``window.mermaid`` is already def
 hook takes ``dist/mermaid.min.js`` from the npm registry's ``mermaid`` package, pinned to one
 version and checked against the registry's sha512 integrity hash, adds it to the site as
 ``javascripts/vendor/mermaid.min.js`` and loads it, before Material's bundle, on the pages
-that have a diagram (the others do not download its 3.5 MB).
+that have a diagram (the others do not download its 3.5 MB). With Material's
+``navigation.instant`` (off here) a page reached in place would not get the script: list it
+in ``extra_javascript`` instead if that feature is turned on.
 
 The tarball is downloaded once into ``.cache/docs/`` (git-ignored; ``AIOEP_DOCS_CACHE``
 moves it). Without network access, put the tarball there or point ``AIOEP_MERMAID_TARBALL``
@@ -80,6 +82,7 @@ def _tarball() -> bytes:
         raise PluginError(
             f"mermaid: {source} does not match the pinned integrity hash "
             f"(expected {MERMAID_INTEGRITY}, got {got}); not using it"
+            + ("" if given or source == MERMAID_TARBALL else " (delete it to download again)")
         )
     if source == MERMAID_TARBALL:
         path.parent.mkdir(parents=True, exist_ok=True)
