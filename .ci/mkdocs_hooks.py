@@ -37,7 +37,9 @@ from mkdocs.utils import get_relative_url
 # Material for MkDocs 9.x loads mermaid@11 (its bundle names unpkg.com/mermaid@11): keep the
 # major it expects. Upgrading: `npm view mermaid@<version> dist.integrity`.
 MERMAID_VERSION = "11.17.2"
-MERMAID_TARBALL = f"https://registry.npmjs.org/mermaid/-/mermaid-{MERMAID_VERSION}.tgz"
+# NPM_CONFIG_REGISTRY (npm's setting) picks a mirror; the hash holds whatever serves it.
+_REGISTRY = (os.environ.get("NPM_CONFIG_REGISTRY") or "https://registry.npmjs.org/").rstrip("/")
+MERMAID_TARBALL = f"{_REGISTRY}/mermaid/-/mermaid-{MERMAID_VERSION}.tgz"
 MERMAID_INTEGRITY = "sha512-V6K3C8EBdEsPFZXSKMJe6ppQOENxuHARr9GvHX4hh47lAbhMRD9qf4oEK7LoaRQxULMa80/qt5gHO73aCleBBg=="
 MERMAID_MEMBER = "package/dist/mermaid.min.js"
 SITE_PATH = "javascripts/vendor/mermaid.min.js"
