@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     chromium = find_chromium()
     if chromium is None:
-        msg = "docs check: no Chromium (install Debian's `chromium` package, or set CHROMIUM)"
+        msg = "docs check: no Chromium (as root on Debian: bash .ci/install-chromium.sh; or set CHROMIUM)"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             print(f"{msg}: failing, CI must run the browser check", file=sys.stderr)
             return 1
