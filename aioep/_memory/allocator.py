@@ -16,7 +16,26 @@ from .._tensors.tensor import Buffer
 if TYPE_CHECKING:
     from .._tensors.ownership import Origin
 
-__all__ = ["Allocator"]
+__all__ = ["Allocator", "check_nbytes", "check_stream"]
+
+
+def check_nbytes(kind: str, name: str, nbytes: object) -> None:
+    """Raise :class:`InvalidArgument` naming the ``kind`` of allocator and its memory's
+    ``name`` unless ``nbytes`` is an int in ``[0, 2**62]`` (a bool is refused)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
+        raise InvalidArgument(
+            f"{kind} {name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
+        )
+
+
+def check_stream(kind: str, name: str, stream: object) -> None:
+    """Raise :class:`InvalidArgument` naming the ``kind`` of allocator and its memory's
+    ``name`` unless ``stream`` is a :class:`SyncStream` or None."""
+    if stream is not None and not isinstance(stream, SyncStream):
+        raise InvalidArgument(
+            f"{kind} {name!r}: stream must be an aioep.SyncStream or None, "
+            f"got {type(stream).__name__} {stream!r}"
+        )
 
 
 class Allocator(abc.ABC):
@@ -60,15 +79,8 @@ class Allocator(abc.ABC):
         ``stream`` names the stream that will use the memory (stream-aware
         allocators such as the arena use it to decide which freed memory is safe).
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
-            raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
-            )
-        if stream is not None and not isinstance(stream, SyncStream):
-            raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: stream must be an aioep.SyncStream or "
-                f"None, got {type(stream).__name__} {stream!r}"
-            )
+        check_nbytes("allocator", self.memory_info.name, nbytes)
+        check_stream("allocator", self.memory_info.name, stream)
         if self._closed or self._retired:
             raise ClosedError(f"allocator {self.memory_info.name!r} is closed")
         return self._account(self._allocate(nbytes, stream) if nbytes else 0, nbytes, stream)
@@ -82,10 +94,7 @@ class Allocator(abc.ABC):
         unregistered under it) and goes back through :meth:`_free` when dropped. Works
         on a closed allocator too: ``_free`` serves live buffers after closing.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
-            raise InvalidArgument(
-                f"allocator {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
-            )
+        check_nbytes("allocator", self.memory_info.name, nbytes)
         return self._account(ptr, nbytes, stream)
 
     def _account(self, ptr: int, nbytes: int, stream: SyncStream | None) -> Buffer:

@@ -22,10 +22,9 @@ import threading
 
 from .._base.errors import ClosedError, InUseError, InvalidArgument
 from .._base.types import AllocatorType
-from .._base.validate import MAX_DIM
 from .._streams.stream import SyncStream
 from .._tensors.tensor import Buffer
-from .allocator import Allocator
+from .allocator import Allocator, check_nbytes, check_stream
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from .arena_regions import RegionReturns, free_handles
@@ -149,19 +148,9 @@ class ArenaAllocator(Allocator):
                 names the request, the limit and the bytes in use.
         """
         if stream is not None and not isinstance(stream, SyncStream):
-            raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
-                f"got {type(stream).__name__} {stream!r}"
-            )
+            check_stream("arena", self.memory_info.name, stream)
         if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
-            if (
-                isinstance(nbytes, bool)
-                or not isinstance(nbytes, int)
-                or not 0 <= nbytes <= MAX_DIM
-            ):
-                raise InvalidArgument(
-                    f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
-                )
+            check_nbytes("arena", self.memory_info.name, nbytes)
             nbytes = int(nbytes)
             if nbytes == 0:
                 if self._closed or self._retired:
@@ -195,15 +184,8 @@ class ArenaAllocator(Allocator):
         The memory is outside the pool: it is never split or handed to another
         request, and it goes back to the base when the buffer is freed.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
-            raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: nbytes must be an int >= 0 (at most 2**62), got {nbytes!r}"
-            )
-        if stream is not None and not isinstance(stream, SyncStream):
-            raise InvalidArgument(
-                f"arena {self.memory_info.name!r}: stream must be an aioep.SyncStream or None, "
-                f"got {type(stream).__name__} {stream!r}"
-            )
+        check_nbytes("arena", self.memory_info.name, nbytes)
+        check_stream("arena", self.memory_info.name, stream)
         if self._closed or self._retired:
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")
         if nbytes == 0:
