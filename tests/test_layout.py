@@ -150,3 +150,24 @@ def test_type_only_imports_that_point_up_are_known() -> None:
                 if room != name and room in ranks and ranks[room] >= ranks[name]:
                     upward.add((here, target))
     assert upward == set(TYPE_ONLY_UPWARD)
+
+
+def test_test_modules_import_test_modules_of_their_own_folder_only() -> None:
+    """pytest puts a test file's folder on ``sys.path`` only when it imports that file, so an
+    import of another folder's test module works in a whole run and fails when the file runs
+    alone (check-gpu runs files, and crashed tests, alone). Shared helpers live in
+    ``tests/_*.py``."""
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("test_"):
+                    assert (path.parent / f"{name}.py").is_file(), (
+                        f"{path.relative_to(ROOT)} imports {name} from another folder: "
+                        "move what it shares into a tests/_*.py helper"
+                    )

@@ -582,7 +582,7 @@ async def test_session_run_and_io_binding_take_foreign_tensors(
     sim_env: tuple[aioep.Environment, aioep.EpDevice],
 ) -> None:
     pytest.importorskip("onnx")
-    from test_session import chain, reference
+    from _models import chain, reference
 
     env, sim = sim_env
     x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
@@ -710,7 +710,7 @@ async def test_cuda_dlpack_stream_handshake_and_values(
 async def test_cuda_cai_stream_is_waited_on(
     cuda_env: tuple[aioep.Environment, aioep.EpDevice], consumer_stream: bool
 ) -> None:
-    from test_cuda import _held
+    from _cuda_hold import hold_stream
 
     env, gpu = cuda_env
     data = np.arange(1 << 14, dtype=np.uint8)
@@ -719,7 +719,7 @@ async def test_cuda_cai_stream_is_waited_on(
     pinned = env.empty(data.shape, data.dtype, cuda_mem(gpu, MemoryType.HOST_ACCESSIBLE))
     pinned.numpy()[:] = data
     async with env.create_sync_stream(gpu) as producer, env.create_sync_stream(gpu) as mine:
-        with _held(producer) as release:
+        with hold_stream(producer) as release:
             upload = env.copy_tensors([pinned], [t], producer)  # held on the device
             cai = CAIOnly(t.data_ptr, data.shape, "|u1", stream=producer.handle, keep=t)
             out = np.zeros_like(data)
@@ -762,7 +762,7 @@ async def test_cuda_cai_over_pinned_and_pageable_host_memory(
 async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
     cuda_env: tuple[aioep.Environment, aioep.EpDevice], allocated_on_stream: bool
 ) -> None:
-    from test_cuda import _held
+    from _cuda_hold import hold_stream
 
     env, gpu = cuda_env
     data = np.arange(4096, dtype=np.float32)
@@ -772,7 +772,7 @@ async def test_cuda_export_orders_the_consumer_after_the_tensor_stream(
         t = env.empty(
             data.shape, data.dtype, cuda_mem(gpu), stream=producer if allocated_on_stream else None
         )
-        with _held(producer) as release:
+        with hold_stream(producer) as release:
             upload = env.copy_tensors([pinned], [t], producer)
             wrapper = DLPackOnly(t)  # aioep's own export, taken back through DLPack only
             out = np.zeros_like(data)
@@ -793,7 +793,7 @@ async def test_cuda_array_interface_export_names_the_pending_copy_stream(
 ) -> None:
     """A tensor's ``__cuda_array_interface__`` names the stream of the copy still using it,
     and aioep, as the consumer of that interface, waits for it."""
-    from test_cuda import _held
+    from _cuda_hold import hold_stream
 
     env, gpu = cuda_env
     data = np.arange(2048, dtype=np.int64)
@@ -802,7 +802,7 @@ async def test_cuda_array_interface_export_names_the_pending_copy_stream(
     t = env.empty(data.shape, data.dtype, cuda_mem(gpu))
     assert t.__cuda_array_interface__["stream"] is None
     async with env.create_sync_stream(gpu) as producer:
-        with _held(producer) as release:
+        with hold_stream(producer) as release:
             upload = env.copy_tensors([pinned], [t], producer)
             cai = t.__cuda_array_interface__
             assert cai["stream"] == producer.handle

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("onnx")
 pytest.importorskip("aioep_sim")
 
-from test_session import chain, reference
+from _models import chain, reference
 
 import aioep
 from aioep import InvalidArgument, MemoryType
@@ -162,11 +162,11 @@ async def test_output_shape_that_does_not_fit_the_bound_tensor() -> None:
 def _webgpu_path() -> str:
     import importlib.util
 
-    from test_ort import _webgpu_skip_reason
+    from _webgpu import webgpu_skip_reason
 
     if importlib.util.find_spec("aioep_ort") is None:
         pytest.skip("the ort backend is not installed")
-    reason = _webgpu_skip_reason()
+    reason = webgpu_skip_reason()
     if reason:
         pytest.skip(reason)
     import onnxruntime_ep_webgpu  # type: ignore[import-untyped]
@@ -183,13 +183,14 @@ async def test_webgpu_binding_stays_on_the_device(
     shape the model leaves open is not handed to ORT as a buffer (a different size would
     fail inside ORT): ORT allocates it and the session copies it in, checking the shape."""
     path = _webgpu_path()
-    from test_ort import _add_model, _OrtCopies
+    from _models import add_model
+    from _webgpu import OrtCopies
 
-    copies = _OrtCopies(monkeypatch)
+    copies = OrtCopies(monkeypatch)
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", path)
         mem = dev.memory_info(MemoryType.DEFAULT)
-        async with await env.create_session(_add_model(dim), [dev]) as sess:
+        async with await env.create_session(add_model(dim), [dev]) as sess:
             binding = sess.io_binding()
             x = env.empty((4,), "float32", mem)
             y = env.empty((4,), "float32", mem)

@@ -16,6 +16,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from _baseline import ort_baseline  # noqa: E402
+from _models import chain, model_of, reference, value_info  # noqa: E402
 from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
@@ -142,34 +143,6 @@ async def environment(
 
 
 # -- models ----------------------------------------------------------------------------------
-def _vi(name: str, shape: Any, elem: int = TP.FLOAT) -> Any:
-    return h.make_tensor_value_info(name, elem, shape)
-
-
-def _model(
-    nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: Sequence[Any] = ()
-) -> Any:
-    graph = h.make_graph(nodes, "g", inputs, outputs, list(inits))
-    return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-
-
-def chain(dtype: Any = np.float32) -> Any:
-    """add(x,w) -> exp -> mul(.,x) -> sigmoid -> sub(., x) -> relu: ops alternate claimable/not."""
-    elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    w = onnx.numpy_helper.from_array(np.linspace(-1, 1, 12).reshape(3, 4).astype(dtype), "w")
-    nodes = [
-        h.make_node("Add", ["x", "w"], ["a"]),
-        h.make_node("Exp", ["a"], ["b"]),
-        h.make_node("Mul", ["b", "x"], ["c"]),
-        h.make_node("Sigmoid", ["c"], ["d"]),
-        h.make_node("Sub", ["d", "x"], ["e"]),
-        h.make_node("Relu", ["e"], ["y"]),
-    ]
-    return _model(
-        nodes, [_vi("x", [3, 4], elem)], [_vi("y", [3, 4], elem), _vi("c", [3, 4], elem)], [w]
-    )
-
-
 def mlp(dtype: Any = np.float32, hidden: int = 16) -> Any:
     """MatMul -> Add -> Relu -> Gemm -> Tanh -> MatMul, with an Exp side output."""
     elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
@@ -188,17 +161,12 @@ def mlp(dtype: Any = np.float32, hidden: int = 16) -> Any:
         h.make_node("MatMul", ["h5", "w3"], ["y"]),
         h.make_node("Exp", ["h3"], ["side"]),
     ]
-    return _model(
+    return model_of(
         nodes,
-        [_vi("x", ["N", 8], elem)],
-        [_vi("y", ["N", 4], elem), _vi("side", ["N", hidden], elem)],
+        [value_info("x", ["N", 8], elem)],
+        [value_info("y", ["N", 4], elem), value_info("side", ["N", hidden], elem)],
         [w1, b1, w2, b2, w3],
     )
-
-
-def reference(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = ort_baseline(model)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
 def assert_matches(
@@ -219,7 +187,7 @@ async def test_all_claimed() -> None:
             h.make_node("Mul", ["a", "x"], ["b"]),
             h.make_node("Relu", ["b"], ["y"]),
         ]
-        model = _model(nodes, [_vi("x", [5])], [_vi("y", [5])])
+        model = model_of(nodes, [value_info("x", [5])], [value_info("y", [5])])
         async with await env.create_session(model, [devs["ep"]]) as sess:
             assert sess.assignment == ("ep", "ep", "ep")
             ep = env.ep_devices(ep_name="ep")[0].factory.eps[0]
@@ -326,7 +294,9 @@ async def test_bad_meta_def_and_cyclic_claims() -> None:
         h.make_node("Relu", ["x"], ["c2"]),
         h.make_node("Neg", ["c2"], ["a2"]),
     ]
-    model = _model(nodes, [_vi("x", [2])], [_vi(n, [2]) for n in ("b1", "c1", "a2")])
+    model = model_of(
+        nodes, [value_info("x", [2])], [value_info(n, [2]) for n in ("b1", "c1", "a2")]
+    )
     async with environment(ep=claim_fixed([0, 5], [1, 2], [3, 4])) as (env, devs):
         with pytest.raises(InvalidArgument, match="cycle"):
             await env.create_session(model, [devs["ep"]])
@@ -654,10 +624,10 @@ class _PointerFactory(HostTestFactory):
 
 async def test_cancelled_run_holds_its_tensors_until_the_stream_passes() -> None:
     x = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
-    model = _model(
+    model = model_of(
         [h.make_node("Exp", ["x"], ["e"]), h.make_node("Relu", ["e"], ["y"])],
-        [_vi("x", [3, 4])],
-        [_vi("y", [3, 4])],
+        [value_info("x", [3, 4])],
+        [value_info("y", [3, 4])],
     )
     async with aioep.Environment(autoload=False) as env:
         factory = _PointerFactory()
@@ -715,8 +685,10 @@ def _scalar_model() -> Any:
         h.make_node("ReduceSum", ["r"], ["s"], keepdims=0),
         h.make_node("Add", ["s", "c"], ["y"]),
     ]
-    return _model(
-        nodes, [_vi("a", [2, 3]), _vi("b", [3, 4]), _vi("c", [])], [_vi("y", []), _vi("r", [2, 4])]
+    return model_of(
+        nodes,
+        [value_info("a", [2, 3]), value_info("b", [3, 4]), value_info("c", [])],
+        [value_info("y", []), value_info("r", [2, 4])],
     )
 
 
@@ -742,7 +714,7 @@ async def test_scalar_inputs_and_outputs_keep_their_shape(on_sim: bool) -> None:
 async def test_zero_size_tensors_run_on_the_sim_device() -> None:
     async with sim_environment() as (env, sims):
         nodes = [h.make_node("Add", ["x", "x"], ["a"]), h.make_node("Relu", ["a"], ["y"])]
-        model = _model(nodes, [_vi("x", ["N", 3])], [_vi("y", ["N", 3])])
+        model = model_of(nodes, [value_info("x", ["N", 3])], [value_info("y", ["N", 3])])
         async with await env.create_session(model, [sims[0]]) as sess:
             assert sess.assignment == (SIM, SIM)
             out = await sess.run({"x": np.zeros((0, 3), np.float32)}, output_location="host")
@@ -759,7 +731,7 @@ async def test_nodes_nothing_reads_are_not_claimed_or_run() -> None:
             h.make_node("Relu", ["a"], ["dead"]),  # nothing reads dead either
             h.make_node("Exp", ["a"], ["y"]),
         ]
-        model = _model(nodes, [_vi("x", [3])], [_vi("y", [3])])
+        model = model_of(nodes, [value_info("x", [3])], [value_info("y", [3])])
         async with await env.create_session(model, [devs["ep"]]) as sess:
             assert sess.assignment == (CPU, "ep", CPU, CPU)
             x = np.arange(3, dtype=np.float32)
@@ -777,8 +749,8 @@ def _string_model() -> Any:
     graph = h.make_graph(
         nodes,
         "g",
-        [_vi("s", [3], TP.STRING), _vi("x", [3])],
-        [_vi("t", [3], TP.STRING), _vi("y", [3])],
+        [value_info("s", [3], TP.STRING), value_info("x", [3])],
+        [value_info("t", [3], TP.STRING), value_info("y", [3])],
     )
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
 
@@ -817,7 +789,7 @@ def _sequence_model() -> Any:
     graph = h.make_graph(
         nodes,
         "g",
-        [_vi("x", [2, 2]), h.make_value_info("opt", opt_t)],
+        [value_info("x", [2, 2]), h.make_value_info("opt", opt_t)],
         [h.make_value_info("out", seq_t), h.make_value_info("opt_out", opt_t)],
     )
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
@@ -846,7 +818,9 @@ async def test_sequences_and_optionals_pass_through_the_cpu_fallback() -> None:
 async def test_a_sequence_input_needs_a_list() -> None:
     seq_t = h.make_sequence_type_proto(h.make_tensor_type_proto(TP.FLOAT, None))
     nodes = [h.make_node("SequenceLength", ["s"], ["n"])]
-    graph = h.make_graph(nodes, "g", [h.make_value_info("s", seq_t)], [_vi("n", [], TP.INT64)])
+    graph = h.make_graph(
+        nodes, "g", [h.make_value_info("s", seq_t)], [value_info("n", [], TP.INT64)]
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     async with environment() as (env, _), await env.create_session(model) as sess:
         out = await sess.run({"s": [np.ones(2, np.float32), np.zeros(3, np.float32)]})
@@ -861,10 +835,10 @@ async def test_sim_computes_float16_in_float32_and_skips_old_opsets() -> None:
         a = rng.random((4, 64)).astype(np.float16)
         b = rng.random((64, 5)).astype(np.float16)
         nodes = [h.make_node("MatMul", ["a", "b"], ["y"])]
-        model = _model(
+        model = model_of(
             nodes,
-            [_vi("a", [4, 64], TP.FLOAT16), _vi("b", [64, 5], TP.FLOAT16)],
-            [_vi("y", [4, 5], TP.FLOAT16)],
+            [value_info("a", [4, 64], TP.FLOAT16), value_info("b", [64, 5], TP.FLOAT16)],
+            [value_info("y", [4, 5], TP.FLOAT16)],
         )
         async with await env.create_session(model, [sims[0]]) as sess:
             assert sess.assignment == (SIM,)
@@ -874,7 +848,10 @@ async def test_sim_computes_float16_in_float32_and_skips_old_opsets() -> None:
         # Before opset 7, Add broadcasts by its 'broadcast'/'axis' attributes: not the sim's.
         old = h.make_model(
             h.make_graph(
-                [h.make_node("Add", ["x", "x"], ["y"])], "g", [_vi("x", [3])], [_vi("y", [3])]
+                [h.make_node("Add", ["x", "x"], ["y"])],
+                "g",
+                [value_info("x", [3])],
+                [value_info("y", [3])],
             ),
             opset_imports=[h.make_opsetid("", 6)],
         )
@@ -930,8 +907,8 @@ async def test_an_omitted_optional_input_is_none_as_in_onnxruntime() -> None:
     graph = h.make_graph(
         [h.make_node("OptionalHasElement", ["o"], ["has"]), h.make_node("Identity", ["x"], ["y"])],
         "g",
-        [_vi("x", [2]), h.make_value_info("o", opt)],
-        [_vi("y", [2]), _vi("has", [], TP.BOOL)],
+        [value_info("x", [2]), h.make_value_info("o", opt)],
+        [value_info("y", [2]), value_info("has", [], TP.BOOL)],
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     x = np.array([1.5, -2.0], np.float32)

@@ -104,7 +104,7 @@ async def test_two_sim_registrations_never_alias() -> None:
 
 
 async def test_freed_tensor_is_refused_by_session_and_binding() -> None:
-    from test_session import chain
+    from _models import chain
 
     async with aioep.Environment(autoload=False) as env:
         sim = _sim(env)
@@ -129,7 +129,7 @@ async def test_freed_tensor_is_refused_by_session_and_binding() -> None:
 
 
 async def test_session_and_binding_refuse_tensors_of_another_environment() -> None:
-    from test_session import chain
+    from _models import chain
 
     async with aioep.Environment(autoload=False) as a, aioep.Environment(autoload=False) as b:
         foreign = b.empty((3, 4), np.float32, _sim(b).memory_info(MemoryType.DEFAULT))

@@ -12,11 +12,12 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from _cuda_hold import WAIT_VALUE_GEQ, hold_cu, hold_stream
 from cuda_emulator import Driver, select_driver
 
 import aioep
@@ -639,66 +640,6 @@ async def test_unregister_refused_while_buffers_alive(
 
 
 # -- what needed a GPU to verify: ordering under load, the pageable gate, GIL-free wake-ups ---
-_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
-
-
-@contextlib.contextmanager
-def _held(stream: aioep.SyncStream) -> Iterator[Callable[[], None]]:
-    """Hold ``stream`` back on the device until the returned ``release()`` is called or the
-    block ends (see :func:`_hold`)."""
-    impl = stream.impl
-    with _hold(impl.device, impl.cu, impl.lock, impl.enqueued) as release:
-        yield release
-
-
-@contextlib.contextmanager
-def _hold(
-    dev: Any, cu: Any, lock: Any = None, enqueued: Callable[[], None] | None = None
-) -> Iterator[Callable[[], None]]:
-    """Hold the stream ``cu`` of ``dev`` back on the device (``cuStreamWaitValue32`` on a word
-    of mapped pinned memory from the device's pool) until ``release()`` writes the word from
-    the host. Same on the real driver and the emulator; no driver call that waits, and
-    nothing allocated or destroyed outside the backend's pools."""
-    from aioep_cuda._driver import check, ctx_current, driver
-
-    drv = driver()
-    block = dev.pinned.take(4)
-    word = ctypes.c_uint32.from_address(block.ptr)
-    word.value = 0
-    with contextlib.ExitStack() as stack:
-        if lock is not None:
-            stack.enter_context(lock)
-        with ctx_current(dev.ctx):
-            err = drv.cuStreamWaitValue32(cu, block.ptr, 1, _GEQ)[0]
-            if err == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
-                dev.pinned.give(block)
-                pytest.skip("this driver has no stream memory operations")
-            check(err, "cuStreamWaitValue32")
-            passed = dev.events.take()
-            check(drv.cuEventRecord(passed, cu), "cuEventRecord")
-        if enqueued is not None:
-            enqueued()
-            enqueued()
-
-    def release() -> None:
-        word.value = 1
-
-    try:
-        yield release
-    finally:
-        release()
-        # The word goes back to the pool once the stream is past the wait; if it never gets
-        # there (the test failed), it stays taken rather than be reused under the wait.
-        deadline = time.monotonic() + 10
-        while drv.cuEventQuery(passed)[0] == drv.CUresult.CUDA_ERROR_NOT_READY:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
-        else:
-            dev.pinned.give(block)
-            dev.events.give(passed)
-
-
 def _emulator_stat(key: str) -> int:
     return DRIVER.emulator.get(key) if DRIVER.emulator is not None else 0
 
@@ -788,7 +729,7 @@ async def test_streams_without_a_wait_are_not_ordered(
     a = env.empty((n,), "uint32", _mem(gpu))
     async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
         await env.copy_tensors([out], [a], stream=s2)  # a = 0
-        with _held(s1) as release:
+        with hold_stream(s1) as release:
             first = env.copy_tensors([src], [a], stream=s1)  # held back on s1...
             await env.copy_tensors([a], [out], stream=s2)  # ...while s2 reads a: no wait
             release()
@@ -816,7 +757,7 @@ async def test_pageable_copies_on_a_held_stream_never_block_the_loop(
     dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
     back = np.zeros_like(data)
     async with env.create_sync_stream(gpu) as stream:
-        with _held(stream) as release:
+        with hold_stream(stream) as release:
             watched = _emulator_stat("watched_pageable"), _emulator_stat("watched_blocking")
             env.copy_tensors([pinned], [dev], stream=stream)
             up = env.copy_tensors([upload], [dev2], stream=stream)
@@ -854,7 +795,7 @@ async def test_closing_a_stream_while_a_gate_release_is_pending(
     dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
     stream = env.create_sync_stream(gpu)
     impl = stream.impl
-    with _held(stream) as release:
+    with hold_stream(stream) as release:
         up = env.copy_tensors([data], [dev], stream=stream)  # pageable: gated
         down = env.copy_tensors([dev], [out], stream=stream)  # pageable: gated
         slot = impl.gate_addr
@@ -903,7 +844,7 @@ async def test_wake_comes_from_the_driver_thread_without_the_gil(
 
         drv = driver()
         with impl.lock, ctx_current(impl.device.ctx):
-            err = drv.cuStreamWaitValue32(impl.cu, word.data_ptr, 1, _GEQ)[0]
+            err = drv.cuStreamWaitValue32(impl.cu, word.data_ptr, 1, WAIT_VALUE_GEQ)[0]
             if err == drv.CUresult.CUDA_ERROR_NOT_SUPPORTED:
                 pytest.skip("this driver has no stream memory operations")
             check(err, "cuStreamWaitValue32")
@@ -1094,7 +1035,7 @@ async def test_dropping_a_buffer_while_work_is_held_does_not_wait_for_the_device
         shared = allocator.device.shared
         pool = shared.pinned if kind == "pinned" else shared.device_cache
         async with env.create_sync_stream(gpu) as stream:
-            with _held(stream) as release:
+            with hold_stream(stream) as release:
                 in_use, held = pool.in_use_bytes, pool.held_bytes
                 doomed = env.empty((1 << 16,), "uint8", info)
                 assert pool.in_use_bytes > in_use
@@ -1124,7 +1065,7 @@ async def test_a_copy_completing_on_the_dispatcher_frees_nothing_there(
     dev2 = env.empty(data.shape, data.dtype, _mem(gpu))
     out = np.zeros_like(data)
     async with env.create_sync_stream(gpu) as s1, env.create_sync_stream(gpu) as s2:
-        with _held(s1) as release:
+        with hold_stream(s1) as release:
             gated = env.copy_tensors([data], [dev1], stream=s1)  # needs the dispatcher later
             tmp = env.empty(data.shape, data.dtype, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
             tmp.numpy()[...] = data
@@ -1155,7 +1096,7 @@ async def test_the_arena_over_cuda_memory_keeps_stream_order(
     second = np.full(n, 2, dtype=np.uint32)
     out = np.zeros_like(second)
     async with env.create_sync_stream(gpu) as a, env.create_sync_stream(gpu) as b:
-        with _held(a) as release:
+        with hold_stream(a) as release:
             x = arena.alloc(first.nbytes, stream=a)
             xt = aioep.Tensor(x, (n,), "uint32")
             pending = env.copy_tensors([first], [xt], stream=a)  # lands after the release
@@ -1221,7 +1162,7 @@ async def test_a_mark_that_cannot_be_recorded_fails_the_copy_once_its_staging_is
     async with env.create_sync_stream(gpu) as stream:
         await env.copy_tensors([data], [dev], stream=stream)
         buffer = weakref.ref(dev.buffer)
-        with _held(stream) as release:  # nothing runs before the mark is recorded
+        with hold_stream(stream) as release:  # nothing runs before the mark is recorded
             # The next records: the gate's prerequisite mark, then the copy's own mark.
             DRIVER.emulator.fail_call("cuEventRecord", after=1, code=700)
             future = env.copy_tensors([dev], [out], stream=stream)
@@ -1282,7 +1223,7 @@ async def test_a_broken_context_fails_a_gated_copy_only_once_its_staging_is_over
 
     monkeypatch.setattr(_staging, "host_copy", copy)
     async with env.create_sync_stream(gpu) as stream:
-        with _held(stream) as release:
+        with hold_stream(stream) as release:
             emulator.set("lose_after_copies", emulator.get("copies"))  # the next copy faults
             # A direct pair (pinned -> device: it faults) and a staged one, on one stream.
             future.append(env.copy_tensors([pinned_a, pinned_b], [dev, out], stream=stream))
@@ -1306,7 +1247,7 @@ async def test_blocking_driver_calls_release_the_gil(
     async with env.create_sync_stream(gpu) as stream:
         impl = stream.impl
         result: list[Any] = []
-        with _held(stream) as release:
+        with hold_stream(stream) as release:
 
             def synchronize() -> None:
                 with ctx_current(impl.device.ctx):
@@ -1361,7 +1302,7 @@ async def test_pinned_memory_is_pooled_and_reused_after_its_stream_moved_on(
     async with env.create_sync_stream(gpu) as stream:
         data = np.arange(1 << 12, dtype=np.uint8)
         dev = env.empty(data.shape, data.dtype, _mem(gpu))
-        with _held(stream) as release:
+        with hold_stream(stream) as release:
             c = env.empty(data.shape, data.dtype, pinned, stream=stream)
             c.numpy()[...] = data
             pending = env.copy_tensors([c], [dev], stream=stream)
@@ -1469,7 +1410,7 @@ async def test_empty_without_a_stream_never_waits_and_streams_see_the_allocation
     out = np.zeros_like(data)
     async with env.create_sync_stream(gpu) as stream:
         dev = stream.impl.device
-        with _hold(dev, dev.helper_stream(), dev.shared.lock) as release:
+        with hold_cu(dev, dev.helper_stream(), dev.shared.lock) as release:
             t = env.empty(data.shape, data.dtype, _mem(gpu))  # returns: nothing waits
             assert t.data_ptr
             up = env.copy_tensors([src], [t], stream=stream)
@@ -1622,7 +1563,7 @@ async def test_a_failed_pageable_copy_fails_only_its_own_future(
     pinned.numpy()[...] = data
     a, b, c = (env.empty(data.shape, data.dtype, _mem(gpu)) for _ in range(3))
     async with env.create_sync_stream(gpu) as stream:
-        with _held(stream) as release:
+        with hold_stream(stream) as release:
             before = env.copy_tensors([pinned], [a], stream=stream)
             failing = env.copy_tensors([data + 1], [b], stream=stream)  # pageable: gated
             after = env.copy_tensors([pinned], [c], stream=stream)

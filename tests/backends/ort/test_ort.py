@@ -14,8 +14,6 @@ import importlib
 import importlib.util
 import itertools
 import os
-import subprocess
-import sys
 import textwrap
 from functools import cache
 from typing import Any, ClassVar
@@ -24,6 +22,8 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from _models import add_model
+from _webgpu import OrtCopies, run_child, webgpu_skip_reason
 
 import aioep
 
@@ -33,32 +33,6 @@ pytestmark = pytest.mark.anyio
 aioep_ort = pytest.importorskip(
     "aioep_ort", reason="the ort backend (backends/ort) is not installed"
 )
-
-_PROBE = """
-import numpy as np, onnxruntime as ort, onnxruntime_ep_webgpu as w
-ort.register_execution_provider_library("probe", w.get_library_path())
-dev = next(d for d in ort.get_ep_devices() if d.ep_name == w.get_ep_name())
-v = ort.OrtValue.ortvalue_from_shape_and_type((4,), np.uint8,
-        memory_info=dev.memory_info(ort.OrtDeviceMemoryType.DEFAULT))
-h = np.zeros(4, np.uint8)
-ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(np.arange(4, dtype=np.uint8))], [v], None)
-ort.copy_tensors([v], [ort.OrtValue.ortvalue_from_numpy(h)], None)
-assert list(h) == [0, 1, 2, 3]
-"""
-
-
-@cache
-def _webgpu_skip_reason() -> str | None:
-    if importlib.util.find_spec("onnxruntime_ep_webgpu") is None:
-        return "onnxruntime-ep-webgpu is not installed (pip install -e 'backends/ort[webgpu]')"
-    # In a child: with no usable adapter the first device allocation aborts the process.
-    proc = _run_child(_PROBE)
-    if proc.returncode != 0:
-        return (
-            f"the WebGPU EP has no usable adapter (probe exit code {proc.returncode}); install "
-            "Mesa 25 lavapipe with .ci/install-webgpu.sh"
-        )
-    return None
 
 
 def _library_path(package: str, skip_reason: str | None) -> str:
@@ -70,18 +44,7 @@ def _library_path(package: str, skip_reason: str | None) -> str:
 
 @pytest.fixture
 def webgpu_path() -> str:
-    return _library_path("onnxruntime_ep_webgpu", _webgpu_skip_reason())
-
-
-def _run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    child_env = {**os.environ, "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER": "1", **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env,
-    )
+    return _library_path("onnxruntime_ep_webgpu", webgpu_skip_reason())
 
 
 # -- options and factory-level behaviour (no plugin library needed) ---------------------------
@@ -526,7 +489,7 @@ info = dev.memory_info()
     ],
 )
 def test_crash_cases_survive_in_subprocess(webgpu_path: str, case: str, code: str) -> None:
-    proc = _run_child(_PRELUDE + textwrap.dedent(code) + "\nenv.close()\nprint('SURVIVED')\n")
+    proc = run_child(_PRELUDE + textwrap.dedent(code) + "\nenv.close()\nprint('SURVIVED')\n")
     assert proc.returncode == 0, f"{case}: rc {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "SURVIVED" in proc.stdout, proc.stdout
     assert "caught" in proc.stdout, proc.stdout
@@ -544,9 +507,7 @@ def test_no_adapter_is_device_error_not_abort(webgpu_path: str) -> None:
         print("SURVIVED")
         """
     )
-    proc = _run_child(
-        code, VK_ICD_FILENAMES="/nonexistent/icd.json", VK_DRIVER_FILES="/nonexistent"
-    )
+    proc = run_child(code, VK_ICD_FILENAMES="/nonexistent/icd.json", VK_DRIVER_FILES="/nonexistent")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "caught" in proc.stdout
     assert "SURVIVED" in proc.stdout
@@ -571,7 +532,7 @@ def test_arena_options_out_of_range_are_invalid_argument(webgpu_path: str) -> No
         print("SURVIVED")
         """
     )
-    proc = _run_child(code)
+    proc = run_child(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "caught" in proc.stdout
     assert "SURVIVED" in proc.stdout
@@ -616,7 +577,7 @@ def test_ort_owned_host_outputs_count_on_the_registration() -> None:
     from aioep_ort._ep import _owned_by_aioep
     from aioep_ort._registry import Registration
 
-    sess = ort_baseline(_add_model())
+    sess = ort_baseline(add_model())
     (raw,) = sess.run(None, {"x": np.arange(4, dtype=np.float32)})
     assert raw.base is not None  # ORT's memory, not numpy's
     reg = Registration("counted", "/nowhere/lib.so", [])
@@ -650,7 +611,7 @@ print(sum(n == ov.get_ep_name() for n in names))
 def _openvino_skip_reason() -> str | None:
     if importlib.util.find_spec("onnxruntime_ep_openvino") is None:
         return "onnxruntime-ep-openvino is not installed (pip install -e 'backends/ort[openvino]')"
-    proc = _run_child(_OPENVINO_PROBE)
+    proc = run_child(_OPENVINO_PROBE)
     if proc.returncode != 0:
         return f"the OpenVINO plugin library failed to load (exit code {proc.returncode})"
     if proc.stdout.strip() == "0":
@@ -734,44 +695,19 @@ def test_openvino_output_outliving_its_environment_survives(openvino_path: str) 
     import gc; gc.collect()
     print("SURVIVED")
     """
-    proc = _run_child(code)
+    proc = run_child(code)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "SURVIVED" in proc.stdout, proc.stdout
 
 
 # -- device-resident session I/O on a plugin EP (ORT's IOBinding underneath) -----------------
-def _add_model(n: int | str = 4) -> Any:
-    """y = x + x over float[n] (``n`` a name: a dimension the model leaves open)."""
-    from onnx import TensorProto, helper
-
-    vi = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [n]) for v in "xy"]
-    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "g", vi[:1], vi[1:])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-class _OrtCopies:
-    """Counts the onnxruntime.copy_tensors calls the ort backend makes."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from aioep_ort import _transfer
-
-        self.calls = 0
-        real = _transfer._ort_copy
-
-        def counting(src: list[Any], dst: list[Any], lock: Any) -> None:
-            self.calls += 1
-            real(src, dst, lock)
-
-        monkeypatch.setattr(_transfer, "_ort_copy", counting)
-
-
 async def test_session_outputs_stay_on_the_plugin_device(webgpu_path: str) -> None:
     """Outputs of a plugin partition come back in the plugin's DEFAULT memory (no copy);
     output_location="host" copies them down."""
     x = np.arange(4, dtype=np.float32)
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)
-        async with await env.create_session(_add_model(), [dev]) as sess:
+        async with await env.create_session(add_model(), [dev]) as sess:
             out = await sess.run({"x": x})
             y = out["y"]
             assert y.memory_info == dev.memory_info(aioep.MemoryType.DEFAULT)
@@ -793,12 +729,12 @@ async def test_device_inputs_are_bound_where_they_are(
 ) -> None:
     """A device tensor (uploaded by the caller, or the output of another session) is bound
     by its buffer handle: chaining two sessions on the device makes no copy at all."""
-    copies = _OrtCopies(monkeypatch)
+    copies = OrtCopies(monkeypatch)
     x = np.linspace(-1, 1, 4, dtype=np.float32)
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu", webgpu_path)
-        first = await env.create_session(_add_model(), [dev])
-        second = await env.create_session(_add_model(), [dev])
+        first = await env.create_session(add_model(), [dev])
+        second = await env.create_session(add_model(), [dev])
         async with first, second:
             xd = env.empty((4,), "float32", dev.memory_info())
             await aioep.copy_tensors([x], [xd])
@@ -817,13 +753,13 @@ async def test_segmented_device_input_is_copied_once(
 ) -> None:
     """A device tensor that spans several OrtValue segments cannot be bound by handle: it is
     read to the host once and bound from there, and the result is still right."""
-    copies = _OrtCopies(monkeypatch)
+    copies = OrtCopies(monkeypatch)
     n = 4096  # 16 KiB over 4 KiB segments
     x = np.arange(n, dtype=np.float32)
     options = {"ort": {"libraries": f"webgpu={webgpu_path}", "chunk_bytes": 4096}}
     async with aioep.Environment(backends=["ort"], backend_options=options) as env:
         (dev,) = env.ep_devices(ep_name="WebGpuExecutionProvider")
-        async with await env.create_session(_add_model(n), [dev]) as sess:
+        async with await env.create_session(add_model(n), [dev]) as sess:
             (ep,) = sess._eps
             xd = env.empty((n,), "float32", dev.memory_info())
             await aioep.copy_tensors([x], [xd])
@@ -850,7 +786,7 @@ async def test_device_outputs_outlive_their_environment(webgpu_path: str) -> Non
 
     async with aioep.Environment(autoload=False) as env:
         (dev,) = env.register_library("webgpu-kept", webgpu_path)
-        async with await env.create_session(_add_model(), [dev]) as sess:
+        async with await env.create_session(add_model(), [dev]) as sess:
             out = await sess.run({"x": np.ones(4, np.float32)})
         with pytest.warns(ResourceWarning):
             await env.aclose()
