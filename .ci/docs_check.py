@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import io
 import json
 import os
 import re
@@ -209,23 +210,9 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        return _Body(body)
+        return io.BytesIO(body)  # copyfile reads it, do_GET closes it
 
     def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _Body:
-    """What ``send_head`` returns: ``copyfile`` reads it, ``do_GET`` closes it."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def read(self, size: int = -1) -> bytes:
-        data, self._data = self._data, b""
-        return data
-
-    def close(self) -> None:
         pass
 
 

@@ -87,10 +87,7 @@ def _tarball() -> bytes:
             + ("" if given or source == MERMAID_TARBALL else " (delete it to download again)")
         )
     if source == MERMAID_TARBALL:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(data)
-        os.replace(tmp.name, path)
+        _write_atomically(path, data)
     return data
 
 
@@ -100,10 +97,15 @@ def _extract(data: bytes, dest: Path) -> None:
         if member is None:
             raise PluginError(f"mermaid: {MERMAID_MEMBER} is not in the package")
         script = member.read()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False) as tmp:
-        tmp.write(script)
-    os.replace(tmp.name, dest)
+    _write_atomically(dest, script)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a concurrent build never reads half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+        tmp.write(data)
+    os.replace(tmp.name, path)
 
 
 def on_config(config: MkDocsConfig, **kwargs: Any) -> MkDocsConfig:
