@@ -70,17 +70,18 @@ def test_the_layer_contract_names_every_subpackage_and_public_face() -> None:
     assert named == set(subpackages()) | faces
 
 
+def folders(path: Path) -> set[str]:
+    """The folders in ``path``, less caches and helpers (``__pycache__``, ``_broken_backend``)."""
+    return {p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
+
+
 def test_tests_mirror_the_subpackages() -> None:
-    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))}
-    folders.discard("__pycache__")
     mirrored = {name.removeprefix("_") for name in subpackages()}
-    assert folders - OWN_FOLDERS == mirrored, "tests/ should have one folder per subpackage"
+    assert folders(TESTS) - OWN_FOLDERS == mirrored, "tests/ should have one folder per subpackage"
     for name in mirrored:
         assert list((TESTS / name).glob("test_*.py")), f"tests/{name}/ has no tests"
     backends = {p.name for p in (ROOT / "backends").iterdir() if (p / "pyproject.toml").is_file()}
-    assert {p.name for p in (TESTS / "backends").iterdir() if p.is_dir()} - {
-        "__pycache__"
-    } == backends
+    assert folders(TESTS / "backends") == backends
 
 
 def test_project_wide_tests_alone_sit_at_the_top_of_tests() -> None:

@@ -3,7 +3,8 @@ streams and copies (ORT's ``OrtEnv``).
 
 :class:`Environment` is a facade over three parts with one job each: the library
 registry (``registry``), the shared allocators (``shared_allocators``) and the copy
-dispatcher (``aioep._copies.dispatcher``). It owns the lifecycle and the context's current environment.
+dispatcher (``aioep._copies.dispatcher``). It owns the lifecycle and the context's
+current environment.
 """
 
 from __future__ import annotations
@@ -62,13 +63,15 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-# Sessions sit in the layer above the environment: aioep._session.session hands its create_session
-# in here when it is imported (aioep/__init__.py imports it), so no import goes upward.
+# Sessions sit in the layer above the environment: aioep._session.session hands its
+# create_session in here when it is imported (aioep/__init__.py imports it), so no import
+# goes upward.
 _session_factory: list[Callable[..., Awaitable[Any]]] = []
 
 
 def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
-    """Install the function behind :meth:`Environment.create_session` (``aioep._session.session``)."""
+    """Install the function behind :meth:`Environment.create_session`
+    (``aioep._session.session``)."""
     _session_factory[:] = [create]
 
 

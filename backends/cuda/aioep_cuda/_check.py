@@ -4,9 +4,10 @@ It runs, each in a child process (this process never loads the driver):
 
 1. a driver probe: driver and cuda-bindings versions, the driver library's path, every
    GPU's name, UUID, compute capability and memory;
-2. the CUDA tests of an aioep checkout (``tests/backends/cuda/test_cuda.py``, ``tests/backends/cuda/test_cuda_api.py``,
-   ``tests/backends/cuda/test_cuda_soak.py``) so that a crash cannot hide the other tests: the files run
-   in one pytest child that records each test's outcome as it ends; a test that kills the
+2. the CUDA tests of an aioep checkout (``test_cuda.py``, ``test_cuda_api.py``,
+   ``test_cuda_soak.py`` and ``test_cuda_staging.py`` in ``tests/backends/cuda/``, and
+   ``tests/interop/test_foreign_tensors.py``) so that a crash cannot hide the other tests:
+   the files run in one pytest child that records each test's outcome as it ends; a test that kills the
    child (a signal) or outlives ``--test-timeout`` (the child dumps every thread's stack
    and exits) is reported as ``crash`` or ``hang`` with those stacks, and a new child runs
    the tests after it. Each test function that crashed or hung is then run again alone in

@@ -294,9 +294,10 @@ class CudaFactory(EpFactory):
 
     def close(self) -> None:
         """Open every pending pageable-copy gate (no stream stays held by a copy that will
-        never run), let the staged copies already queued finish, stop the dispatcher, destroy this factory's streams and leave the
-        devices: the last environment on a device releases its shared state there (waiting
-        for the device: the environment closes off the event loop)."""
+        never run), let the staged copies already queued finish, stop the dispatcher, destroy
+        this factory's streams and leave the devices: the last environment on a device
+        releases its shared state there (waiting for the device: the environment closes off
+        the event loop)."""
         if self._closed:
             return
         self._closed = True
