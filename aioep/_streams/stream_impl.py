@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextvars
+import functools
 import itertools
 import logging
 import threading
@@ -23,11 +25,14 @@ from typing import Any
 from .._base.errors import ClosedError, NotImplementedByEp
 
 __all__ = [
+    "ErrorLane",
     "HostNotification",
     "NotificationImpl",
     "StreamImpl",
     "ThreadStream",
     "call_reporting",
+    "enter_lane",
+    "leave_lane",
     "run_callbacks",
 ]
 
@@ -140,6 +145,55 @@ def call_reporting(fn: Callable[..., object], *args: Any) -> None:
         _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
+class ErrorLane:
+    """One borrower's share of a :class:`ThreadStream` that several borrowers use at once
+    (``env.pooled_stream``): where a failure of the borrower's work is reported.
+
+    While a context (a task, with the tasks it starts) has a lane on a stream entered
+    (:func:`enter_lane`), a failure of work it enqueues there is reported by the next mark it
+    records there, never by another borrower's mark nor by a mark recorded outside the lane.
+    A sticky error (a lost device, :meth:`ThreadStream.sticky_error`) still reaches every mark.
+    """
+
+    __slots__ = ("error", "stream")
+
+    def __init__(self, stream: StreamImpl) -> None:
+        self.stream = stream
+        self.error: BaseException | None = None  # under the stream's lock
+
+
+# The lanes the current context has entered, innermost last.
+_lanes: contextvars.ContextVar[tuple[ErrorLane, ...]] = contextvars.ContextVar(
+    "aioep_error_lanes", default=()
+)
+
+
+def enter_lane(stream: StreamImpl) -> contextvars.Token[tuple[ErrorLane, ...]]:
+    """Give the current context a lane of its own on ``stream``; :func:`leave_lane` ends it.
+
+    Only a :class:`ThreadStream` reads lanes; on any other stream this changes nothing.
+    """
+    return _lanes.set((*_lanes.get(), ErrorLane(stream)))
+
+
+def leave_lane(token: contextvars.Token[tuple[ErrorLane, ...]]) -> None:
+    """End the lane that :func:`enter_lane` returned ``token`` for (in the same context)."""
+    try:
+        _lanes.reset(token)
+    except (ValueError, RuntimeError):  # ended from another context, or twice: nothing to undo
+        pass
+
+
+def _lane_of(stream: StreamImpl) -> ErrorLane | None:
+    lanes = _lanes.get()
+    if not lanes:
+        return None
+    for lane in reversed(lanes):
+        if lane.stream is stream:
+            return lane
+    return None
+
+
 class HostNotification(NotificationImpl):
     """A notification completed by host code: :meth:`set` from any thread.
 
@@ -152,6 +206,7 @@ class HostNotification(NotificationImpl):
         "_done",
         "_error",
         "_generation",
+        "_lane",
         "_lock",
         "_passed",
         "_passed_waiters",
@@ -165,6 +220,7 @@ class HostNotification(NotificationImpl):
         self._callbacks: list[Callable[[], None]] = []
         self._error: BaseException | None = None
         self._generation = 0
+        self._lane: ErrorLane | None = None  # the lane the current mark was recorded in
         # The last mark (generation) the stream reached, superseded or not, and device-side
         # waiters for a given mark: a wait captures the mark current when it is enqueued
         # (cuStreamWaitEvent), so re-activating later never makes it wait for a new mark.
@@ -174,11 +230,13 @@ class HostNotification(NotificationImpl):
     def activate(self) -> None:
         if self._stream is None:
             return
+        lane = _lane_of(self._stream)
         with self._lock:
             self._generation += 1
             generation = self._generation
             self._done = False
             self._error = None
+            self._lane = lane
         self._stream._enqueue_signal(self, generation)
 
     def set(self, error: BaseException | None = None, *, generation: int | None = None) -> bool:
@@ -262,8 +320,10 @@ class ThreadStream(StreamImpl):
     """A stream whose work runs strictly in order on one dedicated worker thread.
 
     ``enqueue(fn)`` queues a callable; if it raises, the error is attached to
-    the next notification the stream reaches and the stream goes on with the
-    work after it. ``enqueue_wait(n)`` parks the worker (the "device") until
+    the next notification recorded after it and the stream goes on with the
+    work after it. Where borrowers share the stream, each in an :class:`ErrorLane`
+    of its own, that is the next notification the same borrower records: another
+    borrower's marks never report it. ``enqueue_wait(n)`` parks the worker (the "device") until
     notification ``n`` of any backend completes: a device-side wait, the host
     is not blocked.
 
@@ -301,6 +361,9 @@ class ThreadStream(StreamImpl):
 
         With ``inline=True`` and an idle stream, run it now on this thread instead.
         """
+        lane = _lane_of(self)
+        if lane is not None:
+            fn = functools.partial(self._run_in_lane, fn, lane)
         if inline:
             with self._lock:
                 self._check_not_closed()
@@ -337,10 +400,11 @@ class ThreadStream(StreamImpl):
                 self._queue.append(("signal", notification, generation))
                 self._cond.notify()  # holding _lock is holding _cond
                 return
-            error = self._take_error()
+            lane = notification._lane
+            error = self._take_error(lane)
         # The stream already passed this point: complete it here (callbacks run on this thread).
         if not notification.set(error, generation=generation) and error is not None:
-            self._keep_error(error)
+            self._keep_error(error, lane)
 
     def _check_not_closed(self) -> None:
         if self._closed:
@@ -352,15 +416,25 @@ class ThreadStream(StreamImpl):
             self._queue.append(op)
             self._cond.notify()
 
-    def _keep_error(self, error: BaseException) -> None:
+    def _keep_error(self, error: BaseException, lane: ErrorLane | None = None) -> None:
         # A superseded mark (re-activated notification) must not swallow a failure.
         with self._lock:
+            self._store_error(error, lane)
+
+    def _store_error(self, error: BaseException, lane: ErrorLane | None) -> None:
+        # Under self._lock: the first failure since the lane's (or the stream's) last mark.
+        if lane is None:
             if self._pending_error is None:
                 self._pending_error = error
+        elif lane.error is None:
+            lane.error = error
 
-    def _take_error(self) -> BaseException | None:
-        # Called under self._cond when the stream reaches a mark.
-        error, self._pending_error = self._pending_error, None
+    def _take_error(self, lane: ErrorLane | None = None) -> BaseException | None:
+        # Called under self._cond when the stream reaches a mark (recorded in ``lane``).
+        if lane is None:
+            error, self._pending_error = self._pending_error, None
+        else:
+            error, lane.error = lane.error, None
         return error if error is not None else self.sticky_error()
 
     def sticky_error(self) -> BaseException | None:
@@ -377,6 +451,14 @@ class ThreadStream(StreamImpl):
             self.on_error(exc)
             self._keep_error(exc)
 
+    def _run_in_lane(self, fn: Callable[[], None], lane: ErrorLane) -> None:
+        # The op of a borrower: its failure waits for that borrower's next mark.
+        try:
+            fn()
+        except BaseException as exc:
+            self.on_error(exc)
+            self._keep_error(exc, lane)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -389,10 +471,12 @@ class ThreadStream(StreamImpl):
                 if kind == "signal":
                     # Mark it done before the stream reads as idle, and wake waiters only
                     # after: whoever a mark wakes sees the stream past it.
-                    error = self._take_error()
+                    lane = obj._lane  # type: ignore[attr-defined]
+                    error = self._take_error(lane)
                     callbacks = obj._mark(error, generation)  # type: ignore[attr-defined]
                     if callbacks is None and error is not None:
-                        self._pending_error = error  # superseded mark: keep the failure
+                        self._store_error(error, lane)  # superseded mark: keep the failure
+                    del lane
                     self._busy = False
                     del error
             if kind == "signal":
