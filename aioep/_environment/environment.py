@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import functools
 import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import anyio
@@ -31,7 +33,7 @@ from .._base.types import (
     MemoryInfo,
     MemoryType,
 )
-from .._base.validate import check_options, check_type, describe
+from .._base.validate import check_int, check_options, check_type, describe
 from .._copies.dispatcher import CopyDispatcher
 from .._copies.future import CopyFuture
 from .._devices.device import EpDevice
@@ -44,8 +46,11 @@ from .._tensors.ownership import Scope
 from .._tensors.tensor import Tensor
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .shared_allocators import SharedAllocators
+from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, StreamLease
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
+
+MAX_STREAM_POOL_SIZE = 1024
 
 _current: contextvars.ContextVar[Environment | None] = contextvars.ContextVar(
     "aioep_current_environment", default=None
@@ -167,13 +172,15 @@ class Environment(AsyncResource):
     ``async with Environment() as env`` registers the built-in host device and
     every installed backend (entry-point group ``aioep.backends``), makes the
     environment current for this context, and on exit waits for copies in
-    flight, then closes streams, data transfers and loaders, allocators and
-    factories, in that order.
+    flight, then closes streams (pooled ones first), data transfers and loaders,
+    allocators and factories, in that order.
 
     Args:
         autoload: register installed backends on entry.
         backends: only these backend names (default: all installed).
         backend_options: per-backend factory options, e.g. ``{"sim": {"latency_us": 50}}``.
+        stream_pool_size: the most streams per EP device that :meth:`pooled_stream` lends
+            (1 to 1024; default 4).
     """
 
     def __init__(
@@ -182,8 +189,16 @@ class Environment(AsyncResource):
         autoload: bool = True,
         backends: Sequence[str] | None = None,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        stream_pool_size: int = DEFAULT_STREAM_POOL_SIZE,
     ) -> None:
         check_type("Environment", "autoload", autoload, bool, "a bool")
+        self._stream_pool_size = check_int(
+            "Environment",
+            "stream_pool_size",
+            stream_pool_size,
+            minimum=1,
+            maximum=MAX_STREAM_POOL_SIZE,
+        )
         names: list[str] | None = None
         if backends is not None:
             try:
@@ -331,12 +346,16 @@ class Environment(AsyncResource):
         return self._registry.register(name, target, options)
 
     def unregister_library(self, name: str) -> None:
-        """Remove a library: its data transfer and loader, its devices and shared allocators,
-        then close its factory.
+        """Remove a library: its pooled streams, its data transfer and loader, its devices
+        and shared allocators, then close its factory.
+
+        Pooled streams (:meth:`pooled_stream`) that no one holds and that are idle are the
+        environment's own: they close here and never count as in use.
 
         Raises:
             InvalidArgument: no library is registered under ``name``.
-            InUseError: its streams, buffers or copies are still alive (nothing is removed).
+            InUseError: its streams (a pooled one lent or busy), buffers or copies are still
+                alive (nothing is removed).
         """
         self._check_open()
         check_type("unregister_library", "name", name, str, "a library name (str)")
@@ -436,6 +455,45 @@ class Environment(AsyncResource):
         self._check_open()
         opts = check_options("create_sync_stream", "options", options)
         return self._registry.create_stream(ep_device, opts or None)
+
+    @property
+    def stream_pool_size(self) -> int:
+        """The most streams per EP device that :meth:`pooled_stream` lends."""
+        return self._stream_pool_size
+
+    def pooled_stream(self, ep_device: EpDevice) -> AbstractAsyncContextManager[SyncStream]:
+        """Borrow one of a bounded set of streams on ``ep_device``, shared with other borrowers.
+
+        ``async with env.pooled_stream(dev) as stream:`` lends a stream of the device's
+        pool: up to ``stream_pool_size`` streams, made on first use and lent round-robin
+        (one no one holds first), so a server's threads and device streams stay bounded
+        however many requests it serves at once. Leaving the block gives the stream back
+        without waiting for the work on it; await your own futures.
+
+        Inside the block use it as any stream (``copy_tensors(..., stream)``,
+        ``session.run(..., stream=stream)``, ``record()``, ``wait(notification)``). Its
+        work runs in order with other borrowers' work, but a device error reaches only the
+        work that failed (its future, and the next mark this borrower records), never
+        another borrower's; a sticky error (a lost device) still reaches everyone.
+        ``await stream`` waits for all work on the stream, other borrowers' too: await
+        your futures instead. ``aclose()`` is refused (:class:`InUseError`): the
+        environment closes pooled streams when the library is unregistered or the
+        environment closes, after their work.
+
+        Raises:
+            InvalidArgument: ``ep_device`` is not an EP device of this environment.
+            NotImplementedByEp: (on entering) the device's factory has no streams.
+        """
+        self._check_open()
+        check_type("pooled_stream", "ep_device", ep_device, EpDevice, "an aioep.EpDevice")
+        self._registry.library_of(ep_device)
+        return StreamLease(
+            functools.partial(self._lend_stream, ep_device), self._registry.give_back
+        )
+
+    def _lend_stream(self, ep_device: EpDevice) -> PooledStream:
+        self._check_open()
+        return self._registry.lend_stream(ep_device, self._stream_pool_size)
 
     def copy_tensors(
         self,

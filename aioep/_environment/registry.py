@@ -33,6 +33,7 @@ from .._memory.allocator import Allocator
 from .._memory.transfer import DataTransfer
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import StreamImpl
+from .stream_pool import PooledStream, StreamRing
 
 if TYPE_CHECKING:
     from .environment import Environment
@@ -57,6 +58,7 @@ class Library:
     transfer: DataTransfer | None = None
     loader: ExternalDataLoader | None = None
     streams: set[SyncStream] = field(default_factory=set)
+    pools: dict[EpDevice, StreamRing] = field(default_factory=dict)  # env.pooled_stream's
     sessions: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # open sessions
     retired: list[Allocator] = field(default_factory=list)  # retired, still serving live buffers
 
@@ -212,9 +214,18 @@ class LibraryRegistry:
     @staticmethod
     def _in_use(lib: Library, copies: int) -> list[str]:
         reasons = []
-        streams = [s for s in lib.streams if not s.closed]
+        # Spare pooled streams (lent to no one, idle) are the pool's to close: not in use.
+        streams = [s for s in lib.streams if not s.closed and not isinstance(s, PooledStream)]
         if streams:
             reasons.append(f"{len(streams)} open stream(s) ({', '.join(map(repr, streams))})")
+        pooled = [
+            s for ring in lib.pools.values() for s in ring.streams if not (s.closed or s.spare)
+        ]
+        if pooled:
+            reasons.append(
+                f"{len(pooled)} pooled stream(s) lent or with work in flight "
+                f"({', '.join(map(repr, pooled))})"
+            )
         live = [(a, a.live_buffers) for a in lib.allocators if a.live_buffers]
         if live:
             where = ", ".join(f"{n} from {a.memory_info.name!r}" for a, n in live)
@@ -229,6 +240,7 @@ class LibraryRegistry:
     def _remove(self, lib: Library) -> None:
         # ORT's order: data transfers, then devices and their shared allocators, then the factory.
         self.libraries.pop(lib.name, None)
+        self._close_pools(lib, report=False)
         self._close_transfer_and_loader(lib)
         for dev in lib.ep_devices:
             dev._env = None
@@ -256,7 +268,10 @@ class LibraryRegistry:
                 pass
 
     def close_streams(self) -> None:
-        """Close the streams still open, each reported with a :class:`ResourceWarning`."""
+        """Close the pooled streams, then the streams still open, each of these reported
+        with a :class:`ResourceWarning` (as is a pooled stream still lent)."""
+        for lib in self.libraries.values():
+            self._close_pools(lib, report=True)
         for stream in self.open_streams():
             warnings.warn(
                 f"{stream!r} was still open when the environment closed; closing it",
@@ -277,6 +292,20 @@ class LibraryRegistry:
         for lib in libraries:
             self._close_factory(lib)
         self.libraries.clear()
+
+    @staticmethod
+    def _close_pools(lib: Library, *, report: bool) -> None:
+        pooled = [s for ring in lib.pools.values() for s in ring.streams]
+        lib.pools.clear()
+        for stream in pooled:
+            if report and stream.lent:
+                warnings.warn(
+                    f"{stream!r} was still lent by env.pooled_stream() when the environment "
+                    "closed; closing it",
+                    ResourceWarning,
+                    stacklevel=4,
+                )
+            _quietly(stream.retire, f"pooled stream {stream!r}")
 
     def _close_transfer_and_loader(self, lib: Library) -> None:
         if lib.transfer is not None:
@@ -361,8 +390,15 @@ class LibraryRegistry:
         return {s for lib in self.libraries.values() for s in lib.sessions}
 
     # -- streams and sessions --------------------------------------------------------------
-    def create_stream(self, ep_device: EpDevice, options: Mapping[str, Any] | None) -> SyncStream:
-        """A new stream on ``ep_device`` (see :meth:`Environment.create_sync_stream`)."""
+    def create_stream(
+        self,
+        ep_device: EpDevice,
+        options: Mapping[str, Any] | None,
+        *,
+        kind: type[SyncStream] = SyncStream,
+    ) -> SyncStream:
+        """A new stream on ``ep_device`` (see :meth:`Environment.create_sync_stream`), a
+        ``kind`` (the pool makes :class:`PooledStream` ones)."""
         with self._lock:
             lib = self.library_of(ep_device)
             factory = lib.factory
@@ -386,9 +422,31 @@ class LibraryRegistry:
                     f"factory {factory.name!r}.create_sync_stream returned {impl!r}, not an "
                     "aioep.abc.StreamImpl"
                 )
-            stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
+            stream = kind(impl, ep_device, on_close=lib.streams.discard)
             lib.streams.add(stream)
             return stream
+
+    def lend_stream(self, ep_device: EpDevice, size: int) -> PooledStream:
+        """A stream of ``ep_device``'s pool (at most ``size`` streams), counted as lent."""
+        with self._lock:
+            lib = self.library_of(ep_device)
+            ring = lib.pools.get(ep_device)
+            if ring is None:
+                ring = lib.pools[ep_device] = StreamRing()
+
+            def make() -> PooledStream:
+                stream = self.create_stream(ep_device, None, kind=PooledStream)
+                assert isinstance(stream, PooledStream)
+                return stream
+
+            stream = ring.pick(size, make)
+            stream.borrowed()
+            return stream
+
+    def give_back(self, stream: PooledStream) -> None:
+        """A borrower is done with ``stream`` (its work may still be in flight)."""
+        with self._lock:
+            stream.returned()
 
     def track_session(self, session: Any, ep_devices: Sequence[EpDevice], *, open: bool) -> None:
         """Count an open session against the libraries of its devices (unregister refuses)."""
