@@ -1583,3 +1583,39 @@ async def test_a_failed_pageable_copy_fails_only_its_own_future(
         await env.copy_tensors([b], [out], stream=stream)
         np.testing.assert_array_equal(out, data + 2)
     del a, b, c, pinned
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_emulator
+async def test_on_a_shared_pooled_stream_a_failed_copy_fails_only_its_request(
+    cuda_driver: Driver,
+) -> None:
+    """Two requests share one pooled stream: A's failing (non-sticky) pageable copy fails A's
+    future only; B's copy, after it on the same stream, completes with the right bytes. (An
+    asynchronous fault is sticky for the context: every mark fails, see the test above.)"""
+    import anyio
+
+    assert DRIVER.emulator is not None
+    data = np.arange(1 << 12, dtype=np.uint32)
+    async with aioep.Environment(backends=["cuda"], stream_pool_size=1) as env:
+        gpu = env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+        pinned = env.empty(data.shape, data.dtype, _mem(gpu, MemoryType.HOST_ACCESSIBLE))
+        pinned.numpy()[...] = data
+        a, b = (env.empty(data.shape, data.dtype, _mem(gpu)) for _ in range(2))
+        out = np.zeros_like(data)
+        async with env.pooled_stream(gpu) as stream_a, env.pooled_stream(gpu) as stream_b:
+            assert stream_a is stream_b
+            with hold_stream(stream_a) as release:
+                failing = env.copy_tensors([data + 1], [a], stream=stream_a)  # pageable: gated
+                fine = env.copy_tensors([pinned], [b], stream=stream_b)
+                DRIVER.emulator.fail_call("cuMemcpyAsync", code=1)  # INVALID_VALUE, once
+                release()
+                with anyio.fail_after(20):
+                    with pytest.raises(aioep.DeviceError, match=r"cuMemcpyAsync.*INVALID_VALUE"):
+                        await failing
+                    await fine
+                    await stream_b  # B's marks report nothing of A's
+            await env.copy_tensors([b], [out], stream=stream_b)
+            np.testing.assert_array_equal(out, data)
+        del a, b, pinned, failing, fine
