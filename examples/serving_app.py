@@ -22,11 +22,13 @@ What it shows:
   WebGPU plugin EP where ``onnxruntime-ep-webgpu`` is installed and its driver works,
   then the first accelerator with streams, e.g. the simulated one or CUDA, then the
   host CPU), creates the model's **session** on it, and closes both at shutdown;
-* requests run **concurrently**: on a device with streams each request borrows one
-  from a small pool, uploads its input with ``await env.copy_tensors(..., stream)``
-  and runs on that stream; on a device without streams (WebGPU) at most ``workers``
-  requests run the session at once, their inputs bound on the device by ORT's
-  IOBinding. Outputs stay on the device until the response copies them down;
+* requests run **concurrently**, at most ``workers`` at once: on a device with streams
+  each request borrows one from the environment's pool
+  (``async with env.pooled_stream(dev)``, ``workers`` streams shared round-robin),
+  uploads its input with ``await env.copy_tensors(..., stream)`` and runs on that
+  stream; on a device without streams (WebGPU) the session runs in worker threads,
+  the inputs bound on the device by ORT's IOBinding. Outputs stay on the device until
+  the response copies them down;
 * ``POST /infer`` takes JSON (``{"inputs": nested lists}``) and ``POST /infer/npy`` a
   ``.npy`` body (what a real client sends: no float parsing), both answering with every
   output; a wrong shape or dtype is a 422 that names what the model expects.
@@ -107,43 +109,6 @@ class InferRequest(BaseModel):
     inputs: list[Any]
 
 
-class StreamPool:
-    """A fixed set of streams handed out one per request (waits while all are busy)."""
-
-    def __init__(self, streams: Sequence[aioep.SyncStream]) -> None:
-        self.streams = tuple(streams)
-        self._send, self._receive = anyio.create_memory_object_stream[aioep.SyncStream](
-            len(self.streams)
-        )
-        for s in self.streams:
-            self._send.send_nowait(s)
-
-    @asynccontextmanager
-    async def acquire(self) -> AsyncIterator[aioep.SyncStream]:
-        """Borrow a stream; it goes back to the pool afterwards, even on error or cancellation.
-
-        A stream is an in-order queue, so work a cancelled request left on it
-        simply runs before the next borrower's work.
-        """
-        stream = await self._receive.receive()
-        try:
-            yield stream
-        finally:
-            self._send.send_nowait(stream)
-
-    @property
-    def free(self) -> int:
-        """Streams not lent out right now."""
-        return self._receive.statistics().current_buffer_used
-
-    async def aclose(self) -> None:
-        """Close the pool and every stream (after its pending work)."""
-        self._send.close()
-        self._receive.close()
-        for s in self.streams:
-            await s.aclose()
-
-
 @dataclass
 class Engine:
     """What the lifespan sets up and every request uses (``app.state.engine``)."""
@@ -153,18 +118,21 @@ class Engine:
     session: aioep.Session
     spec: InputSpec
     model: str
-    pool: StreamPool | None
-    """Streams on a stream-aware device; None where the device has none (WebGPU)."""
-    limit: anyio.Semaphore
+    streams: bool
+    """The device has streams (``env.pooled_stream`` lends them); not so on WebGPU or the CPU."""
+    limit: anyio.CapacityLimiter
     """At most ``workers`` requests run the session at once."""
 
     async def infer(self, x: npt.NDArray[Any]) -> dict[str, npt.NDArray[Any]]:
         """Run the model on ``x`` (host) and return every output as a host array."""
         async with self.limit:
-            if self.pool is None:
+            if not self.streams:
                 outputs = await self.session.run({self.spec.name: x})
                 return await self._download(outputs, None)
-            async with self.pool.acquire() as stream:
+            # A stream of the environment's pool, shared with other requests (their work
+            # runs in order with ours; a device error reaches only the request it hit).
+            # Leaving the block gives it back, even on error or cancellation.
+            async with self.env.pooled_stream(self.device) as stream:
                 memory = self.device.memory_info(aioep.MemoryType.DEFAULT)
                 assert memory is not None
                 on_device = self.env.empty(x.shape, x.dtype, memory, stream=stream)
@@ -190,7 +158,8 @@ def create_app(
     backends: Sequence[str] | None = None,
     backend_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> FastAPI:
-    """Build the app: ``workers`` requests on the device at once, on ``device`` (one of
+    """Build the app: ``workers`` requests on the device at once (and ``workers`` pooled
+    streams), on ``device`` (one of
     :data:`DEVICES`; default ``AIOEP_DEVICE`` or ``auto``), serving ``model_path``
     (default :func:`default_model_path`); ``backends`` and ``backend_options`` go to
     :class:`aioep.Environment`."""
@@ -207,16 +176,17 @@ def create_app(
         spec = InputSpec.of(model)
         async with AsyncExitStack() as stack:
             env = await stack.enter_async_context(
-                aioep.Environment(backends=backends, backend_options=backend_options)
+                aioep.Environment(
+                    backends=backends,
+                    backend_options=backend_options,
+                    stream_pool_size=workers,
+                )
             )
             dev, session = await _session_on_best_device(env, model, choice)
             stack.push_async_callback(session.aclose)
-            pool = None
-            if dev.device_type is not aioep.DeviceType.CPU and dev.factory.is_stream_aware():
-                pool = StreamPool([env.create_sync_stream(dev) for _ in range(workers)])
-                stack.push_async_callback(pool.aclose)
-            limit = anyio.Semaphore(workers)
-            app.state.engine = Engine(env, dev, session, spec, path.name, pool, limit)
+            streams = dev.device_type is not aioep.DeviceType.CPU and dev.factory.is_stream_aware()
+            limit = anyio.CapacityLimiter(workers)
+            app.state.engine = Engine(env, dev, session, spec, path.name, streams, limit)
             yield
 
     app = FastAPI(title="aioep serving example", lifespan=lifespan)
@@ -228,7 +198,6 @@ def create_app(
     @app.get("/healthz")
     async def healthz(request: Request) -> dict[str, Any]:
         engine = engine_of(request)
-        pool = engine.pool
         return {
             "status": "ok",
             "model": engine.model,
@@ -239,8 +208,8 @@ def create_app(
             },
             "device": engine.device.ep_name,
             "placement": sorted(set(engine.session.assignment)),
-            "streams": 0 if pool is None else len(pool.streams),
-            "free_streams": 0 if pool is None else pool.free,
+            "streams": engine.env.stream_pool_size if engine.streams else 0,
+            "requests_running": engine.limit.statistics().borrowed_tokens,
         }
 
     @app.get("/devices")

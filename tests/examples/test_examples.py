@@ -119,7 +119,8 @@ async def test_serving_app_health_and_devices(client: Any) -> None:
     if SIM_INSTALLED:
         assert health["device"] == "SimExecutionProvider"
         assert "SimExecutionProvider" in health["placement"]
-        assert health["streams"] == health["free_streams"] == 2
+        assert health["streams"] == 2  # the environment's pool: stream_pool_size=workers
+        assert health["requests_running"] == 0
     devices = (await client.get("/devices")).json()
     assert devices[0]["type"] == "CPU"
 
@@ -170,7 +171,7 @@ async def test_serving_app_concurrent_requests_share_the_stream_pool(
         (expected,) = oracle.run(None, {spec.name: _image(i)})
         np.testing.assert_allclose(results[i], expected, rtol=1e-4, atol=1e-5)
     health = (await client.get("/healthz")).json()
-    assert health["free_streams"] == health["streams"]
+    assert health["requests_running"] == 0  # every request gave its slot (and stream) back
 
 
 async def test_serving_app_rejects_bad_input(client: Any) -> None:
