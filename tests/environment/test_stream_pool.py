@@ -38,6 +38,11 @@ def device_empty(env: aioep.Environment, dev: aioep.EpDevice, n: int) -> aioep.T
     return env.empty(n, np.int64, info)
 
 
+def sim_threads() -> list[threading.Thread]:
+    """The sim's stream worker threads alive now (named ``sim:<device>/stream-<n>``)."""
+    return [t for t in threading.enumerate() if t.name.startswith("sim:")]
+
+
 async def sim_env(pool: int, **options: object) -> aioep.Environment:
     env = await aioep.Environment(autoload=False, stream_pool_size=pool).__aenter__()
     env.register_library("sim", "aioep_sim:SimFactory", {"num_devices": 1, **options})
@@ -78,8 +83,7 @@ async def test_a_thousand_concurrent_requests_use_only_the_pool_s_threads() -> N
     try:
         dev = sim_device(env)
         requests = 1000
-        before = threading.active_count()
-        inside = [0, 0]  # borrowers inside their block now, the most threads seen meanwhile
+        inside = [0, 0]  # borrowers inside their block now, the most sim threads seen meanwhile
         all_in = anyio.Event()
         handles: set[int] = set()
         outs: dict[int, np.ndarray] = {}
@@ -88,10 +92,10 @@ async def test_a_thousand_concurrent_requests_use_only_the_pool_s_threads() -> N
             async with env.pooled_stream(dev) as stream:
                 handles.add(stream.handle)
                 inside[0] += 1
-                inside[1] = max(inside[1], threading.active_count())
                 if inside[0] == requests:
                     all_in.set()
                 await all_in.wait()  # every request holds a stream at once
+                inside[1] = max(inside[1], len(sim_threads()))
                 x = device_empty(env, dev, 4)
                 out = np.zeros(4, np.int64)
                 env.copy_tensors([np.full(4, i, np.int64)], [x], stream)
@@ -104,7 +108,7 @@ async def test_a_thousand_concurrent_requests_use_only_the_pool_s_threads() -> N
                 for i in range(requests):
                     tg.start_soon(request, i)
         assert len(handles) == 4
-        assert inside[1] - before <= 4, "more threads than the pool's streams"
+        assert inside[1] == 4, "the sim ran a thread per stream: as many as the pool's streams"
         assert all((outs[i] == i).all() for i in range(requests))
     finally:
         await env.aclose()
@@ -291,11 +295,11 @@ async def test_unregister_closes_the_idle_pool_and_refuses_while_lent_or_busy() 
             env.unregister_library("sim")
         gate.set()
         await mark
-        threads = threading.active_count()
+        assert len(sim_threads()) == 1
         env.unregister_library("sim")
         assert "sim" not in env.libraries
         assert stream.closed
-        assert threading.active_count() == threads - 1  # its worker thread is gone
+        assert sim_threads() == []  # its worker thread is gone
     finally:
         await env.aclose()
 
