@@ -15,8 +15,12 @@ round after round; each figure is the median over rounds of requests per second,
 with its ratio to the baseline of the same round, and the most streams (on the sim, worker
 threads) the requests used at once.
 
-Run: ``python benchmarks/stream_pool.py [--quick]``; writes
-``benchmarks/results/stream_pool.json``.
+With ``--backend cuda`` the requests run on CUDA device 0 instead (pageable host arrays,
+staged as a server's inputs are), through pools of up to 32 streams: a CUDA stream costs no
+thread of its own.
+
+Run: ``python benchmarks/stream_pool.py [--quick] [--backend cuda]``; writes
+``benchmarks/results/stream_pool.json`` (``stream_pool_cuda.json``).
 """
 
 from __future__ import annotations
@@ -38,14 +42,14 @@ import numpy as np
 
 import aioep
 from aioep import MemoryType
-from aioep_sim import SimFactory
 
-RESULTS = Path(__file__).parent / "results" / "stream_pool.json"
-POOL_SIZES = (1, 2, 4, 8, 16)
-PROFILES: dict[str, dict[str, float]] = {
-    "free": {},
-    "device": {"latency_us": 20, "bandwidth_gbps": 8},
+RESULTS = Path(__file__).parent / "results"
+POOL_SIZES = {"sim": (1, 2, 4, 8, 16), "cuda": (1, 2, 4, 8, 16, 32)}
+PROFILES: dict[str, dict[str, dict[str, float]]] = {
+    "sim": {"free": {}, "device": {"latency_us": 20, "bandwidth_gbps": 8}},
+    "cuda": {"device": {}},
 }
+LIBRARIES = {"sim": "aioep_sim:SimFactory", "cuda": "aioep_cuda:CudaFactory"}
 PER_REQUEST = "stream per request"
 
 
@@ -99,19 +103,25 @@ async def burst(v: Variant, requests: int, nbytes: int) -> float:
     return requests / elapsed
 
 
-async def open_variants(profile: dict[str, float]) -> list[Variant]:
+async def open_variants(backend: str, profile: dict[str, float]) -> list[Variant]:
     variants = []
-    for name, size in [(PER_REQUEST, 1), *((f"pool of {k}", k) for k in POOL_SIZES)]:
+    for name, size in [(PER_REQUEST, 1), *((f"pool of {k}", k) for k in POOL_SIZES[backend])]:
         env = await aioep.Environment(autoload=False, stream_pool_size=size).__aenter__()
-        (dev, *_) = env.register_library("sim", SimFactory, {"num_devices": 1, **profile})
+        options = {"num_devices": 1, **profile} if backend == "sim" else None
+        (dev, *_) = env.register_library(backend, LIBRARIES[backend], options)
         variants.append(Variant(name, env, dev))
     return variants
 
 
 async def measure(
-    profile: dict[str, float], nbytes: int, requests: int, rounds: int, say: Callable[[str], None]
+    backend: str,
+    profile: dict[str, float],
+    nbytes: int,
+    requests: int,
+    rounds: int,
+    say: Callable[[str], None],
 ) -> dict[str, Any]:
-    variants = await open_variants(profile)
+    variants = await open_variants(backend, profile)
     try:
         for v in variants:  # warm up: pools filled, arenas grown, threads started
             await burst(v, requests, nbytes)
@@ -146,18 +156,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "quick": args.quick,
+        "backend": args.backend,
         "requests": requests,
         "rounds": rounds,
         "results": {},
     }
-    for profile_name, profile in PROFILES.items():
+    for profile_name, profile in PROFILES[args.backend].items():
         for nbytes in (4 << 10, 1 << 20):
-            label = f"{profile_name}, {nbytes >> 10} KiB"
+            label = f"{args.backend} {profile_name}, {nbytes >> 10} KiB"
             print(f"{label}: {requests} concurrent upload+download requests, {rounds} rounds")
-            out["results"][label] = await measure(profile, nbytes, requests, rounds, print)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+            out["results"][label] = await measure(
+                args.backend, profile, nbytes, requests, rounds, print
+            )
+    suffix = "" if args.backend == "sim" else f"_{args.backend}"
+    path = Path(args.json) if args.json else RESULTS / f"stream_pool{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
     return out
 
 
@@ -166,4 +181,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="64 requests, 3 rounds")
     parser.add_argument("--requests", type=int, default=256, help="concurrent requests")
     parser.add_argument("--rounds", type=int, default=7, help="rounds per variant")
+    parser.add_argument("--backend", choices=sorted(LIBRARIES), default="sim")
+    parser.add_argument("--json", help="where to write the results (default: benchmarks/results)")
     asyncio.run(main(parser.parse_args()))
