@@ -42,11 +42,12 @@ from .._external_data.loading import ExternalDataLoader, load_initializers
 from .._memory.allocator import Allocator
 from .._memory.transfer import TensorLike
 from .._streams.stream import SyncStream
+from .._streams.stream_impl import HostNotification
 from .._tensors.ownership import Scope
 from .._tensors.tensor import Tensor
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .shared_allocators import SharedAllocators
-from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, StreamLease
+from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, Reservation, StreamLease
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 
@@ -179,7 +180,7 @@ class Environment(AsyncResource):
         autoload: register installed backends on entry.
         backends: only these backend names (default: all installed).
         backend_options: per-backend factory options, e.g. ``{"sim": {"latency_us": 50}}``.
-        stream_pool_size: the most streams per EP device that :meth:`pooled_stream` lends
+        stream_pool_size: the most streams per EP device that `pooled_stream` lends
             (1 to 1024; default 4).
     """
 
@@ -349,7 +350,7 @@ class Environment(AsyncResource):
         """Remove a library: its pooled streams, its data transfer and loader, its devices
         and shared allocators, then close its factory.
 
-        Pooled streams (:meth:`pooled_stream`) that no one holds and that are idle are the
+        Pooled streams (`pooled_stream`) that no one holds and that are idle are the
         environment's own: they close here and never count as in use.
 
         Raises:
@@ -458,17 +459,18 @@ class Environment(AsyncResource):
 
     @property
     def stream_pool_size(self) -> int:
-        """The most streams per EP device that :meth:`pooled_stream` lends."""
+        """The most streams per EP device that `pooled_stream` lends."""
         return self._stream_pool_size
 
     def pooled_stream(self, ep_device: EpDevice) -> AbstractAsyncContextManager[SyncStream]:
         """Borrow one of a bounded set of streams on ``ep_device``, shared with other borrowers.
 
         ``async with env.pooled_stream(dev) as stream:`` lends a stream of the device's
-        pool: up to ``stream_pool_size`` streams, made on first use and lent round-robin
-        (one no one holds first), so a server's threads and device streams stay bounded
-        however many requests it serves at once. Leaving the block gives the stream back
-        without waiting for the work on it; await your own futures.
+        pool: up to ``stream_pool_size`` streams, made on first use (in a worker thread: a
+        driver may wait in its stream creation) and lent round-robin (one no one holds
+        first), so a server's threads and device streams stay bounded however many
+        requests it serves at once. Leaving the block gives the stream back without
+        waiting for the work on it; await your own futures.
 
         Inside the block use it as any stream (``copy_tensors(..., stream)``,
         ``session.run(..., stream=stream)``, ``record()``, ``wait(notification)``). Its
@@ -476,7 +478,7 @@ class Environment(AsyncResource):
         work that failed (its future, and the next mark this borrower records), never
         another borrower's; a sticky error (a lost device) still reaches everyone.
         ``await stream`` waits for all work on the stream, other borrowers' too: await
-        your futures instead. ``aclose()`` is refused (:class:`InUseError`): the
+        your futures instead. ``aclose()`` is refused (`InUseError`): the
         environment closes pooled streams when the library is unregistered or the
         environment closes, after their work.
 
@@ -488,10 +490,12 @@ class Environment(AsyncResource):
         check_type("pooled_stream", "ep_device", ep_device, EpDevice, "an aioep.EpDevice")
         self._registry.library_of(ep_device)
         return StreamLease(
-            functools.partial(self._lend_stream, ep_device), self._registry.give_back
+            functools.partial(self._lend_stream, ep_device),
+            functools.partial(self._registry.make_pooled_stream, ep_device),
+            self._registry.give_back,
         )
 
-    def _lend_stream(self, ep_device: EpDevice) -> PooledStream:
+    def _lend_stream(self, ep_device: EpDevice) -> PooledStream | Reservation | HostNotification:
         self._check_open()
         return self._registry.lend_stream(ep_device, self._stream_pool_size)
 

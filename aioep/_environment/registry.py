@@ -24,7 +24,7 @@ from .._base.errors import (
     NotImplementedByEp,
     translate_backend_error,
 )
-from .._base.types import DeviceType, HardwareDevice, MemoryInfo, MemoryType
+from .._base.types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 from .._devices.device import EpDevice
 from .._devices.factory import EpFactory
 from .._devices.host import HOST_EP_NAME, host_hardware_device
@@ -32,8 +32,8 @@ from .._external_data.loading import ExternalDataLoader
 from .._memory.allocator import Allocator
 from .._memory.transfer import DataTransfer
 from .._streams.stream import SyncStream
-from .._streams.stream_impl import StreamImpl
-from .stream_pool import PooledStream, StreamRing
+from .._streams.stream_impl import HostNotification, StreamImpl
+from .stream_pool import PooledStream, Reservation, StreamRing
 
 if TYPE_CHECKING:
     from .environment import Environment
@@ -226,6 +226,9 @@ class LibraryRegistry:
                 f"{len(pooled)} pooled stream(s) lent or with work in flight "
                 f"({', '.join(map(repr, pooled))})"
             )
+        making = sum(len(ring.making) for ring in lib.pools.values())
+        if making:
+            reasons.append(f"{making} pooled stream(s) being made")
         live = [(a, a.live_buffers) for a in lib.allocators if a.live_buffers]
         if live:
             where = ", ".join(f"{n} from {a.memory_info.name!r}" for a, n in live)
@@ -269,7 +272,7 @@ class LibraryRegistry:
 
     def close_streams(self) -> None:
         """Close the pooled streams, then the streams still open, each of these reported
-        with a :class:`ResourceWarning` (as is a pooled stream still lent)."""
+        with a `ResourceWarning` (as is a pooled stream still lent)."""
         for lib in self.libraries.values():
             self._close_pools(lib, report=True)
         for stream in self.open_streams():
@@ -293,10 +296,15 @@ class LibraryRegistry:
             self._close_factory(lib)
         self.libraries.clear()
 
-    @staticmethod
-    def _close_pools(lib: Library, *, report: bool) -> None:
-        pooled = [s for ring in lib.pools.values() for s in ring.streams]
-        lib.pools.clear()
+    def _close_pools(self, lib: Library, *, report: bool) -> None:
+        # A stream still being made joins its ring when made: wait for it (never the case
+        # when unregistering: a stream being made keeps the library in use).
+        for ring in list(lib.pools.values()):
+            for reservation in list(ring.making):
+                reservation.made.wait_on_host(None)
+        with self._lock:
+            pooled = [s for ring in lib.pools.values() for s in ring.streams]
+            lib.pools.clear()
         for stream in pooled:
             if report and stream.lent:
                 warnings.warn(
@@ -390,58 +398,61 @@ class LibraryRegistry:
         return {s for lib in self.libraries.values() for s in lib.sessions}
 
     # -- streams and sessions --------------------------------------------------------------
-    def create_stream(
-        self,
-        ep_device: EpDevice,
-        options: Mapping[str, Any] | None,
-        *,
-        kind: type[SyncStream] = SyncStream,
-    ) -> SyncStream:
-        """A new stream on ``ep_device`` (see :meth:`Environment.create_sync_stream`), a
-        ``kind`` (the pool makes :class:`PooledStream` ones)."""
+    def create_stream(self, ep_device: EpDevice, options: Mapping[str, Any] | None) -> SyncStream:
+        """A new stream on ``ep_device`` (see :meth:`Environment.create_sync_stream`)."""
         with self._lock:
-            lib = self.library_of(ep_device)
-            factory = lib.factory
-            info = ep_device.memory_info(MemoryType.DEFAULT)
-            if info is None:
-                raise InvalidArgument(f"{ep_device!r} has no DEFAULT memory to run a stream on")
-            if not factory.is_stream_aware():
-                raise NotImplementedByEp(
-                    f"The execution provider {factory.name!r} does not support streams."
-                )
-            try:
-                impl = factory.create_sync_stream(info.device, options)
-            except Exception as exc:
-                raise translate_backend_error(exc, f"{factory.name!r} create_sync_stream") from exc
-            if impl is None:
-                raise EpError(
-                    f"Failed to get a stream implementation from the EP factory {factory.name!r}."
-                )
-            if not isinstance(impl, StreamImpl):
-                raise InvalidArgument(
-                    f"factory {factory.name!r}.create_sync_stream returned {impl!r}, not an "
-                    "aioep.abc.StreamImpl"
-                )
-            stream = kind(impl, ep_device, on_close=lib.streams.discard)
+            lib, factory, memory = self._stream_maker(ep_device)
+            impl = _make_stream_impl(factory, memory, options)
+            stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
             lib.streams.add(stream)
             return stream
 
-    def lend_stream(self, ep_device: EpDevice, size: int) -> PooledStream:
-        """A stream of ``ep_device``'s pool (at most ``size`` streams), counted as lent."""
+    def _stream_maker(self, ep_device: EpDevice) -> tuple[Library, EpFactory, MemoryDevice]:
+        # Under self._lock: the library, its factory and the memory a stream would run on.
+        lib = self.library_of(ep_device)
+        info = ep_device.memory_info(MemoryType.DEFAULT)
+        if info is None:
+            raise InvalidArgument(f"{ep_device!r} has no DEFAULT memory to run a stream on")
+        if not lib.factory.is_stream_aware():
+            raise NotImplementedByEp(
+                f"The execution provider {lib.factory.name!r} does not support streams."
+            )
+        return lib, lib.factory, info.device
+
+    # -- the stream pool (env.pooled_stream) -------------------------------------------------
+    def lend_stream(
+        self, ep_device: EpDevice, size: int
+    ) -> PooledStream | Reservation | HostNotification:
+        """A stream of ``ep_device``'s pool (at most ``size`` streams), counted as lent; or a
+        `Reservation` the caller fills with `make_pooled_stream` (off the event
+        loop); or, while the streams are all being made, a notification to await before
+        asking again."""
         with self._lock:
-            lib = self.library_of(ep_device)
+            lib, _, _ = self._stream_maker(ep_device)
             ring = lib.pools.get(ep_device)
             if ring is None:
                 ring = lib.pools[ep_device] = StreamRing()
+            got = ring.pick(size)
+            if isinstance(got, PooledStream):
+                got.borrowed()
+            return got
 
-            def make() -> PooledStream:
-                stream = self.create_stream(ep_device, None, kind=PooledStream)
-                assert isinstance(stream, PooledStream)
-                return stream
+    def make_pooled_stream(self, ep_device: EpDevice, reservation: Reservation) -> None:
+        """Make the stream ``reservation`` holds a place for and add it to the pool.
 
-            stream = ring.pick(size, make)
-            stream.borrowed()
-            return stream
+        Blocking (a driver may wait in its stream creation): call it off the event loop. The
+        environment's lock is not held meanwhile; the reservation keeps the library in use.
+        """
+        stream: PooledStream | None = None
+        try:
+            with self._lock:
+                lib, factory, memory = self._stream_maker(ep_device)
+            impl = _make_stream_impl(factory, memory, None)
+            with self._lock:
+                stream = PooledStream(impl, ep_device, on_close=lib.streams.discard)
+                lib.streams.add(stream)
+        finally:
+            reservation.fill(stream)
 
     def give_back(self, stream: PooledStream) -> None:
         """A borrower is done with ``stream`` (its work may still be in flight)."""
@@ -457,6 +468,26 @@ class LibraryRegistry:
                         lib.sessions.add(session)
                     else:
                         lib.sessions.discard(session)
+
+
+def _make_stream_impl(
+    factory: EpFactory, memory: MemoryDevice, options: Mapping[str, Any] | None
+) -> StreamImpl:
+    """The factory's new stream for ``memory``, checked; backend errors translated."""
+    try:
+        impl = factory.create_sync_stream(memory, options)
+    except Exception as exc:
+        raise translate_backend_error(exc, f"{factory.name!r} create_sync_stream") from exc
+    if impl is None:
+        raise EpError(
+            f"Failed to get a stream implementation from the EP factory {factory.name!r}."
+        )
+    if not isinstance(impl, StreamImpl):
+        raise InvalidArgument(
+            f"factory {factory.name!r}.create_sync_stream returned {impl!r}, not an "
+            "aioep.abc.StreamImpl"
+        )
+    return impl
 
 
 def _quietly(fn: Any, what: str) -> None:

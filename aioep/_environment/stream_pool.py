@@ -8,7 +8,7 @@ bounded by the pool's size, not by the requests. Each borrower enqueues in an er
 its own (``aioep._streams.stream_impl.ErrorLane``): a device error reaches only the work
 that failed, never the next borrower's.
 
-The registry keeps one :class:`StreamRing` per EP device in the library that offers it,
+The registry keeps one `StreamRing` per EP device in the library that offers it,
 so unregistering the library and closing the environment close the pooled streams first.
 """
 
@@ -19,15 +19,19 @@ from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import anyio
+import anyio.to_thread
+
 from .._base.errors import EpError, InUseError
+from .._streams.notification import Notification
 from .._streams.stream import SyncStream
-from .._streams.stream_impl import ErrorLane, enter_lane, leave_lane
+from .._streams.stream_impl import ErrorLane, HostNotification, enter_lane, leave_lane
 
 if TYPE_CHECKING:
     from .._devices.device import EpDevice
     from .._streams.stream_impl import StreamImpl
 
-__all__ = ["DEFAULT_STREAM_POOL_SIZE", "PooledStream", "StreamLease", "StreamRing"]
+__all__ = ["DEFAULT_STREAM_POOL_SIZE", "PooledStream", "Reservation", "StreamLease", "StreamRing"]
 
 DEFAULT_STREAM_POOL_SIZE = 4
 """Streams per EP device behind ``env.pooled_stream`` unless ``Environment(stream_pool_size=)``
@@ -105,19 +109,37 @@ class PooledStream(SyncStream):
         return f"<SyncStream {self.ep_device.ep_name}:{self.handle:#x} {state}>"
 
 
+class Reservation:
+    """A place in a pool for a stream one borrower is making, off the event loop (a driver
+    may wait in its stream creation); others who find every place taken wait for ``made``."""
+
+    __slots__ = ("made", "ring")
+
+    def __init__(self, ring: StreamRing) -> None:
+        self.ring = ring
+        self.made = HostNotification()
+
+    def fill(self, stream: PooledStream | None) -> None:
+        """The stream is made and joins the pool (None: making it failed; the place is free)."""
+        self.ring.filled(self, stream)
+        self.made.set()
+
+
 class StreamRing:
     """The pooled streams of one EP device: made on demand up to the pool's size, lent in
     turn (a stream no one holds first), so a lone request reuses one stream and a crowd
-    shares ``size`` of them round-robin."""
+    shares ``size`` of them round-robin. The registry calls it under the environment's lock."""
 
-    __slots__ = ("_cursor", "streams")
+    __slots__ = ("_cursor", "making", "streams")
 
     def __init__(self) -> None:
         self.streams: list[PooledStream] = []
+        self.making: list[Reservation] = []
         self._cursor = 0
 
-    def pick(self, size: int, make: Callable[[], PooledStream]) -> PooledStream:
-        """The stream to lend next (the caller counts the borrower)."""
+    def pick(self, size: int) -> PooledStream | Reservation | HostNotification:
+        """The stream to lend next (the caller counts the borrower); else a new place for the
+        caller to fill; else, while every place is being filled, what to await first."""
         streams = self.streams = [s for s in self.streams if not s.closed]
         n = len(streams)
         for k in range(n):
@@ -125,31 +147,42 @@ class StreamRing:
             if not streams[i].lent:
                 self._cursor = i + 1
                 return streams[i]
-        if n < size:
-            stream = make()
-            streams.append(stream)
-            self._cursor = 0
-            return stream
-        i = self._cursor % n
-        self._cursor = i + 1
-        return streams[i]
+        if n + len(self.making) < size:
+            reservation = Reservation(self)
+            self.making.append(reservation)
+            return reservation
+        if n:
+            i = self._cursor % n
+            self._cursor = i + 1
+            return streams[i]
+        return self.making[0].made
+
+    def filled(self, reservation: Reservation, stream: PooledStream | None) -> None:
+        """``reservation``'s stream is made (or not): it joins the ring in its place."""
+        if reservation in self.making:
+            self.making.remove(reservation)
+        if stream is not None:
+            self.streams.append(stream)
 
 
 class StreamLease:
     """What ``env.pooled_stream(ep_device)`` returns: ``async with`` it to borrow a stream.
 
-    Entering lends a pooled stream and opens this task's error lane on it; leaving closes the
-    lane and gives the stream back, without waiting for the work on it (await your futures).
+    Entering lends a pooled stream (making one first, off the event loop, while the pool
+    has fewer than its size) and opens this task's error lane on it; leaving closes the lane
+    and gives the stream back, without waiting for the work on it (await your futures).
     """
 
-    __slots__ = ("_give_back", "_lend", "_stream", "_token")
+    __slots__ = ("_give_back", "_lend", "_make", "_stream", "_token")
 
     def __init__(
         self,
-        lend: Callable[[], PooledStream],
+        lend: Callable[[], PooledStream | Reservation | HostNotification],
+        make: Callable[[Reservation], None],
         give_back: Callable[[PooledStream], None],
     ) -> None:
         self._lend = lend
+        self._make = make
         self._give_back = give_back
         self._stream: PooledStream | None = None
         self._token: Token[tuple[ErrorLane, ...]] | None = None
@@ -160,10 +193,19 @@ class StreamLease:
                 f"this env.pooled_stream(...) lease already holds {self._stream!r}; call "
                 "env.pooled_stream(...) again for another borrow"
             )
-        stream = self._lend()
-        self._token = enter_lane(stream.impl)
-        self._stream = stream
-        return stream
+        while True:
+            got = self._lend()
+            if isinstance(got, PooledStream):
+                break
+            if isinstance(got, Reservation):
+                # Made in a worker thread; the stream joins the pool even if this task is
+                # cancelled meanwhile, and the next lend finds it.
+                await anyio.to_thread.run_sync(self._make, got)
+            else:
+                await Notification(got)
+        self._token = enter_lane(got.impl)
+        self._stream = got
+        return got
 
     async def __aexit__(
         self,

@@ -146,13 +146,13 @@ def call_reporting(fn: Callable[..., object], *args: Any) -> None:
 
 
 class ErrorLane:
-    """One borrower's share of a :class:`ThreadStream` that several borrowers use at once
+    """One borrower's share of a `ThreadStream` that several borrowers use at once
     (``env.pooled_stream``): where a failure of the borrower's work is reported.
 
     While a context (a task, with the tasks it starts) has a lane on a stream entered
-    (:func:`enter_lane`), a failure of work it enqueues there is reported by the next mark it
+    (`enter_lane`), a failure of work it enqueues there is reported by the next mark it
     records there, never by another borrower's mark nor by a mark recorded outside the lane.
-    A sticky error (a lost device, :meth:`ThreadStream.sticky_error`) still reaches every mark.
+    A sticky error (a lost device, `ThreadStream.sticky_error`) still reaches every mark.
     """
 
     __slots__ = ("error", "stream")
@@ -169,15 +169,15 @@ _lanes: contextvars.ContextVar[tuple[ErrorLane, ...]] = contextvars.ContextVar(
 
 
 def enter_lane(stream: StreamImpl) -> contextvars.Token[tuple[ErrorLane, ...]]:
-    """Give the current context a lane of its own on ``stream``; :func:`leave_lane` ends it.
+    """Give the current context a lane of its own on ``stream``; `leave_lane` ends it.
 
-    Only a :class:`ThreadStream` reads lanes; on any other stream this changes nothing.
+    Only a `ThreadStream` reads lanes; on any other stream this changes nothing.
     """
     return _lanes.set((*_lanes.get(), ErrorLane(stream)))
 
 
 def leave_lane(token: contextvars.Token[tuple[ErrorLane, ...]]) -> None:
-    """End the lane that :func:`enter_lane` returned ``token`` for (in the same context)."""
+    """End the lane that `enter_lane` returned ``token`` for (in the same context)."""
     try:
         _lanes.reset(token)
     except (ValueError, RuntimeError):  # ended from another context, or twice: nothing to undo
@@ -321,7 +321,7 @@ class ThreadStream(StreamImpl):
 
     ``enqueue(fn)`` queues a callable; if it raises, the error is attached to
     the next notification recorded after it and the stream goes on with the
-    work after it. Where borrowers share the stream, each in an :class:`ErrorLane`
+    work after it. Where borrowers share the stream, each in an `ErrorLane`
     of its own, that is the next notification the same borrower records: another
     borrower's marks never report it. ``enqueue_wait(n)`` parks the worker (the "device") until
     notification ``n`` of any backend completes: a device-side wait, the host

@@ -16,7 +16,7 @@ from _factories import EVENTS, FakeGpuFactory, MakeEnv
 
 import aioep
 from aioep import InUseError, InvalidArgument, MemoryType
-from aioep.abc import HostNotification, ThreadStream
+from aioep.abc import HostNotification, StreamImpl, ThreadStream
 
 pytestmark = pytest.mark.anyio
 
@@ -139,6 +139,56 @@ async def test_a_lease_is_entered_once_at_a_time() -> None:
         async with lease as again:  # given back: the lease may borrow again
             assert again is stream
     finally:
+        await env.aclose()
+
+
+class _SlowStreams(FakeGpuFactory):
+    """Makes a stream only once the test lets it (a driver may wait in cuStreamCreate)."""
+
+    name = "SlowStreamsExecutionProvider"
+
+    def __init__(self, options: object = None) -> None:
+        super().__init__({"tag": "slow"})
+        self.go = threading.Event()
+        self.called = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def create_sync_stream(self, memory_device: aioep.MemoryDevice, options: object) -> StreamImpl:
+        self.threads.append(threading.current_thread())
+        self.called.set()
+        self.go.wait(30)
+        return super().create_sync_stream(memory_device, None)
+
+
+async def test_streams_are_made_off_the_event_loop_once_per_place() -> None:
+    env = await aioep.Environment(autoload=False, stream_pool_size=1).__aenter__()
+    try:
+        factory = _SlowStreams()
+        (dev,) = env.register_library("slow", factory)
+        got: list[aioep.SyncStream] = []
+        entered = anyio.Event()
+
+        async def borrower() -> None:
+            async with env.pooled_stream(dev) as stream:
+                got.append(stream)
+                if len(got) == 2:
+                    entered.set()
+                await entered.wait()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(borrower)
+                tg.start_soon(borrower)
+                await anyio.to_thread.run_sync(factory.called.wait)
+                # The loop runs while the stream is made; the library is in use meanwhile.
+                with pytest.raises(InUseError, match="being made"):
+                    env.unregister_library("slow")
+                factory.go.set()
+        assert len(factory.threads) == 1  # the second borrower waited for the first's stream
+        assert factory.threads[0] is not threading.current_thread()
+        assert got[0] is got[1]
+    finally:
+        factory.go.set()
         await env.aclose()
 
 
