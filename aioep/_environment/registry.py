@@ -452,7 +452,8 @@ class LibraryRegistry:
                 stream = PooledStream(impl, ep_device, on_close=lib.streams.discard)
                 lib.streams.add(stream)
         finally:
-            reservation.fill(stream)
+            with self._lock:
+                reservation.fill(stream)
 
     def give_back(self, stream: PooledStream) -> None:
         """A borrower is done with ``stream`` (its work may still be in flight)."""

@@ -120,7 +120,8 @@ class Reservation:
         self.made = HostNotification()
 
     def fill(self, stream: PooledStream | None) -> None:
-        """The stream is made and joins the pool (None: making it failed; the place is free)."""
+        """The stream is made and joins the pool (None: making it failed; the place is free);
+        the registry calls it under the environment's lock."""
         self.ring.filled(self, stream)
         self.made.set()
 
