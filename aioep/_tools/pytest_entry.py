@@ -1,6 +1,6 @@
 """The ``pytest11`` entry point of aioep: a switch that stays inert until the plugin is enabled.
 
-It lives apart from :mod:`aioep.pytest_plugin` so that installing aioep never imports the
+It lives apart from `aioep.pytest_plugin` so that installing aioep never imports the
 fixtures module into a test run that did not ask for it. ``pytest_plugins =
 ["aioep.pytest_plugin"]`` in a conftest then imports it fresh; pytest before 9.2 warned
 "Module already imported so cannot be rewritten" (an error under ``-W error``) when the

@@ -609,7 +609,7 @@ def run_tests(
     ``isolate``: what runs again alone, each function in a process of its own:
     ``"crashed"`` (the first cases of each function that crashed or hung), ``"all"`` (every
     case of every function) or ``"none"``. ``max_deaths_per_function``: see
-    :func:`_run_group` (0: every case runs, whatever it costs).
+    `_run_group` (0: every case runs, whatever it costs).
     """
     started = time.monotonic()
     deadline = started + budget
