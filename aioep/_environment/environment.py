@@ -475,9 +475,8 @@ class Environment(AsyncResource):
     ) -> dict[str, Tensor]:
         """Load a model's initializers onto ``ep_device`` (external data straight to the device).
 
-        See
-        [`aioep._external_data.loading.load_initializers`][aioep._external_data.loading.load_initializers]
-        for ``options``.
+        See [`load_initializers`][aioep._external_data.loading.load_initializers] (the External
+        data reference) for ``options``.
         """
         self._check_open()
         return await load_initializers(self, model, ep_device, names, **options)
