@@ -137,8 +137,9 @@ def test_the_diagrams_of_a_built_page_are_counted() -> None:
 
 # -- raw reStructuredText roles, in the built HTML (no browser needed) -------------------------
 
-# What mkdocstrings makes of a docstring that says "Returns a :class:`Buffer`": Markdown turns
-# the backquoted target into a code span and the role's name stays as text.
+# What mkdocstrings makes of a docstring holding a class role around "Buffer" (a reST role, as
+# ROLE_IN_DOCSTRING's text shows): Markdown turns the backquoted target into a code span and
+# the role's name stays as text.
 ROLE_IN_DOCSTRING = "<p>Returns a :class:<code>Buffer</code> of the memory.</p>"
 
 
