@@ -1,6 +1,11 @@
 """Open every page of the built docs site in headless Chromium, offline, and fail on what a
-reader would see broken: a diagram left as raw text, or a code sample wider than the content
-column (the reader would have to scroll sideways).
+reader would see broken: a diagram left as raw text, a code sample wider than the content
+column (the reader would have to scroll sideways), or a raw reStructuredText role.
+
+A docstring role such as ``:class:`Buffer` `` is printed verbatim by mkdocstrings (Google
+style, Markdown): `raw_roles` finds one in the built HTML, without a browser, and the
+message says what to write instead (a cross-reference ``[`Buffer`][aioep.Buffer]`` or plain
+backticks).
 
     python .ci/docs_check.py [SITE_DIR]      # default: site
 
@@ -9,10 +14,10 @@ the top of each HTML page (for this check only; the built files are not changed)
 may reach only that server: every other host fails to resolve and no proxy is used, like a
 machine without network access. The probe waits for the diagrams, measures the code blocks
 at a desktop window size, and writes its findings into the DOM as JSON; Chromium's
-``--dump-dom`` hands the DOM back and :func:`judge` turns it into a list of problems.
+``--dump-dom`` hands the DOM back and `judge` turns it into a list of problems.
 
-Without Chromium the check fails under CI (``CI=true``) and is skipped otherwise, with a
-message. ``CHROMIUM`` names the binary to use.
+Without Chromium the browser part fails under CI (``CI=true``) and is skipped otherwise, with a
+message; the raw-role check runs either way. ``CHROMIUM`` names the binary to use.
 """
 
 from __future__ import annotations
@@ -131,6 +136,28 @@ PROBE = r"""
 })();
 </script>
 """.replace("__RESULT_ID__", RESULT_ID)
+
+
+# A Sphinx cross-reference role left in the text: in the HTML Markdown made of a docstring
+# the backquoted target became <code>...</code>; elsewhere (a code sample) it is still there.
+_ROLE = re.compile(
+    r":(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const|type):"
+    r"(?:`([^`<\n]{0,200})`?|<code>([^<]{0,200})</code>)"
+)
+
+
+def raw_roles(page: str, page_html: str) -> list[str]:
+    """A problem for each raw reStructuredText role (``:class:`X` ``...) in the built page."""
+    problems: list[str] = []
+    for m in _ROLE.finditer(page_html):
+        target = m.group(1) if m.group(1) is not None else m.group(2)
+        role = m.group(0).split(":`")[0].split(":<code>")[0] + ":"
+        line = page_html.count("\n", 0, m.start()) + 1
+        problems.append(
+            f"{page}:{line}: raw reStructuredText role {role}`{target}`, shown verbatim: write a "
+            f"cross-reference [`{target.lstrip('~')}`][aioep.Name] or plain backticks"
+        )
+    return problems
 
 
 @dataclass
@@ -288,6 +315,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not pages:
         print(f"docs check: no HTML pages under {site}; build the site first", file=sys.stderr)
         return 1
+    role_problems = [
+        p
+        for page in pages
+        for p in raw_roles(page.relative_to(site).as_posix(), page.read_text(encoding="utf-8"))
+    ]
     chromium = find_chromium()
     if chromium is None:
         msg = "docs check: no Chromium (as root on Debian: bash .ci/install-chromium.sh; or set CHROMIUM)"
@@ -295,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{msg}: failing, CI must run the browser check", file=sys.stderr)
             return 1
         print(f"{msg}: SKIPPED the browser check of the built pages", file=sys.stderr)
-        return 0
+        return _report(role_problems, f"docs check: no raw role in {len(pages)} pages")
 
     server = http.server.ThreadingHTTPServer(
         ("127.0.0.1", 0), functools.partial(_Handler, directory=str(site))
@@ -309,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.shutdown()
         server.server_close()
-    problems = [p for r in results for p in r.problems]
+    problems = role_problems + [p for r in results for p in r.problems]
     slowest = max(results, key=lambda r: r.seconds)
     print(
         f"docs check: {len(pages)} pages in headless Chromium, offline, "
@@ -317,12 +349,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(slowest {slowest.page}, {slowest.seconds:.1f} s)",
         flush=True,
     )
+    return _report(
+        problems,
+        "docs check: every diagram rendered, no code block wider than its column, no raw role",
+    )
+
+
+def _report(problems: list[str], ok: str) -> int:
     if problems:
         print(f"docs check: FAILED, {len(problems)} problem(s):", file=sys.stderr)
         for p in problems:
             print(f"  {p}", file=sys.stderr)
         return 1
-    print("docs check: every diagram rendered, no code block wider than its column")
+    print(ok)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 The public API is what this module re-exports; everything else lives in private
 subpackages, one layer each (``_streams``, ``_memory``, ``_copies``, ``_session`` ...).
-Plugin authors find what they implement and use in :mod:`aioep.abc`; backends
+Plugin authors find what they implement and use in [`aioep.abc`][aioep.abc]; backends
 import nothing else.
 """
 

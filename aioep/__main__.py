@@ -90,7 +90,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def format_devices(desc: dict[str, Any]) -> str:
-    """The human-readable table that ``devices`` prints for :func:`describe_environment`."""
+    """The human-readable table that ``devices`` prints for `describe_environment`."""
     lines = ["EP devices"]
     rows = [
         [

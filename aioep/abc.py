@@ -1,30 +1,36 @@
 """The plugin contract: everything a backend (in-tree or third-party) needs from aioep.
 
-A backend imports from :mod:`aioep` and :mod:`aioep.abc` only; the private modules
+A backend imports from [`aioep`][aioep] and [`aioep.abc`][aioep.abc] only; the private modules
 behind them may change between releases (an import-linter contract keeps the
 in-tree backends to this rule).
 
-A backend is an :class:`EpFactory` subclass registered in the entry-point group
-``aioep.backends``. It offers :class:`aioep.EpDevice` objects, an
-:class:`Allocator` per memory info, optionally a :class:`DataTransfer` (copying
-:data:`CopyPair` lists), streams (:class:`StreamImpl` / :class:`NotificationImpl`;
-:class:`ThreadStream` is a ready one driven by a worker thread, :class:`HostNotification`
-a ready notification completed by host code; :class:`HostAllocator` is a ready
-allocator of aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an
-:class:`ExternalDataLoader` (:class:`ChunkedExternalDataLoader` is the built-in one).
-Its options are parsed with :func:`parse_int_option`, :func:`parse_float_option`,
-:func:`parse_bool_option`, :func:`parse_choice_option` and
-:func:`reject_unknown_options`, so every backend reads a value the same way.
+A backend is an [`EpFactory`][aioep.abc.EpFactory] subclass registered in the entry-point group
+``aioep.backends``. It offers [`aioep.EpDevice`][aioep.EpDevice] objects, an
+[`Allocator`][aioep.abc.Allocator] per memory info, optionally a
+[`DataTransfer`][aioep.abc.DataTransfer] (copying [`CopyPair`][aioep.abc.CopyPair] lists), streams
+([`StreamImpl`][aioep.abc.StreamImpl] / [`NotificationImpl`][aioep.abc.NotificationImpl];
+[`ThreadStream`][aioep.abc.ThreadStream] is a ready one driven by a worker thread,
+[`HostNotification`][aioep.abc.HostNotification] a ready notification completed by host code;
+[`HostAllocator`][aioep.abc.HostAllocator] is a ready allocator of aligned host memory, e.g. for a
+HOST_ACCESSIBLE memory info) and an [`ExternalDataLoader`][aioep.abc.ExternalDataLoader]
+([`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader] is the built-in one). Its
+options are parsed with [`parse_int_option`][aioep.abc.parse_int_option],
+[`parse_float_option`][aioep.abc.parse_float_option],
+[`parse_bool_option`][aioep.abc.parse_bool_option],
+[`parse_choice_option`][aioep.abc.parse_choice_option] and
+[`reject_unknown_options`][aioep.abc.reject_unknown_options], so every backend reads a value the
+same way.
 
-For sessions it offers an :class:`Ep`: ``get_capability`` looks at a
-:class:`GraphView` (:class:`Node`, :class:`ValueInfo`, :class:`Initializer`) and
-returns :class:`IndexedSubGraph` claims (with a :class:`MetaDef` for a fused group);
-``compile`` turns each :class:`FusedGroup` into a :class:`CompiledNode`.
-:data:`HOST_MEMORY_INFO` is host RAM, for an EP that takes host tensors, and
-:func:`register_dlpack_exporter` lets ``Tensor.__dlpack__`` hand device tensors to
-other libraries (:func:`dlpack_capsule` builds the capsule), and a
-:class:`MemoryImporter` (``EpFactory.create_memory_importer``) lets aioep take other
-libraries' tensors (DLPack, CUDA Array Interface) on the backend's devices.
+For sessions it offers an [`Ep`][aioep.abc.Ep]: ``get_capability`` looks at a
+[`GraphView`][aioep.abc.GraphView] ([`Node`][aioep.abc.Node], [`ValueInfo`][aioep.abc.ValueInfo],
+[`Initializer`][aioep.abc.Initializer]) and returns [`IndexedSubGraph`][aioep.abc.IndexedSubGraph]
+claims (with a [`MetaDef`][aioep.abc.MetaDef] for a fused group); ``compile`` turns each
+[`FusedGroup`][aioep.abc.FusedGroup] into a [`CompiledNode`][aioep.abc.CompiledNode].
+[`HOST_MEMORY_INFO`][aioep.abc.HOST_MEMORY_INFO] is host RAM, for an EP that takes host tensors, and
+[`register_dlpack_exporter`][aioep.abc.register_dlpack_exporter] lets ``Tensor.__dlpack__`` hand
+device tensors to other libraries ([`dlpack_capsule`][aioep.abc.dlpack_capsule] builds the capsule),
+and a [`MemoryImporter`][aioep.abc.MemoryImporter] (``EpFactory.create_memory_importer``) lets aioep
+take other libraries' tensors (DLPack, CUDA Array Interface) on the backend's devices.
 
 ``backends/sim`` is the reference implementation to copy.
 """
@@ -70,8 +76,8 @@ from ._tensors.tensor import register_dlpack_exporter as register_dlpack_exporte
 # Bound here rather than re-exported so that it carries its docstring (the defining
 # module's alias has none).
 CopyPair: typing.TypeAlias = _CopyPair
-"""One copy: a ``(source, destination)`` tensor pair, as :meth:`DataTransfer.copy_tensors`
-receives it."""
+"""One copy: a ``(source, destination)`` tensor pair, as
+[`DataTransfer.copy_tensors`][aioep.abc.DataTransfer.copy_tensors] receives it."""
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

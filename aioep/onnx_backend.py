@@ -8,8 +8,8 @@
     backend_test = onnx.backend.test.BackendTest(aioep.onnx_backend, __name__)
     globals().update(backend_test.test_cases)
 
-The module-level functions are those of :class:`AioepBackend` (the sim device
-where installed, else only the CPU fallback); :meth:`AioepBackend.configure`
+The module-level functions are those of `AioepBackend` (the sim device
+where installed, else only the CPU fallback); `AioepBackend.configure`
 makes a backend with other EP devices. The interface is blocking, for test
 runners; serving code uses ``await env.create_session(...)`` and
 ``await session.run(...)``.

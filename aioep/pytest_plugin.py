@@ -10,15 +10,15 @@ that did not ask for it. Enable it in one of these ways::
     pytest -p aioep.pytest_plugin                # or load the module explicitly
     pytest_plugins = ["aioep.pytest_plugin"]     # (in your root conftest.py)
 
-The entry point is a small switch object (:data:`entry_point`, kept in a module of
-its own so that this one is imported only on request) that only adds the
+The entry point is a small switch object ([`entry_point`][aioep.pytest_plugin.entry_point], kept in
+a module of its own so that this one is imported only on request) that only adds the
 ``--aioep`` option and the ini keys; when the plugin is enabled it registers this
 module, which holds the fixtures and hooks. Loading the module explicitly
 registers it directly; both ways can be combined without conflict.
 
 Once enabled you get:
 
-* ``aioep_env``: an open :class:`aioep.Environment` per test, opened and closed
+* ``aioep_env``: an open [`aioep.Environment`][aioep.Environment] per test, opened and closed
   on the event loop that runs the test: anyio's (``pytest.mark.anyio``, asyncio
   or trio), pytest-asyncio's (``pytest.mark.asyncio`` or its auto mode, in the
   test's loop scope), or none for a synchronous test. Backends come from the
@@ -27,7 +27,7 @@ Once enabled you get:
   that is installed but cannot start (no driver) skips the test; one that is not
   installed fails it. Streams, sessions or buffers still alive when the
   environment closes fail the test's teardown (ini ``aioep_leaks = warn`` turns
-  that into a :class:`ResourceWarning`).
+  that into a `ResourceWarning`).
 * ``sim_device``: the first ``SimExecutionProvider`` device of ``aioep_env``
   (skips the test when the sim backend offers none).
 * ``@pytest.mark.aioep_gpu``: skips the test unless ``cuInit`` finds an NVIDIA
@@ -183,7 +183,7 @@ def _env_fixture_name(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def aioep_env(request: pytest.FixtureRequest) -> Environment:
-    """An open :class:`aioep.Environment` for one test, closed after it.
+    """An open [`aioep.Environment`][aioep.Environment] for one test, closed after it.
 
     It is opened on the event loop that runs the test (anyio's, pytest-asyncio's in
     the test's loop scope, or none for a synchronous test), so it is current inside

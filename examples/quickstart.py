@@ -27,9 +27,10 @@ async def main() -> None:
     async with aioep.Environment(backend_options=SIM_OPTIONS) as env:
         print("EP devices:")
         for dev in env.ep_devices():
+            hw = dev.hardware
             infos = ", ".join(info.name for info in dev.memory_infos)
             print(
-                f"  {dev.ep_name:<24} {dev.hardware.type.name:<4} {dev.hardware.vendor:<10} [{infos}]"
+                f"  {dev.ep_name:<22} {hw.type.name:<4} id {hw.device_id:<2} {hw.vendor:<10} [{infos}]"
             )
         if env.load_errors:
             print("Backends that offer nothing here:", env.load_errors)
@@ -47,7 +48,8 @@ async def main() -> None:
         on_device = env.empty(host.shape, host.dtype, device_memory)
         back = np.empty_like(host)
         print(
-            f"\nTensor: {host.shape} {host.dtype}, {host.nbytes / 2**20:.1f} MiB on {dev.ep_name}"
+            f"\nTensor: {host.shape} {host.dtype}, {host.nbytes / 2**20:.1f} MiB on {dev.ep_name} "
+            f"id {dev.hardware.device_id}"
         )
 
         async with env.create_sync_stream(dev) as upload, env.create_sync_stream(dev) as download:

@@ -104,7 +104,7 @@ def pick_device(env: aioep.Environment, wanted: str, gpu_ids: list[Any]) -> aioe
 class AioepModel:
     """One replica: an aioep environment and a session on its device, for its lifetime.
 
-    A plain class; :func:`main` makes it a Serve deployment (``serve.deployment(AioepModel)``),
+    A plain class; `main` makes it a Serve deployment (``serve.deployment(AioepModel)``),
     after setting the environment variables Ray reads when it is imported.
     """
 

@@ -19,7 +19,7 @@ WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 @contextlib.contextmanager
 def hold_stream(stream: aioep.SyncStream) -> Iterator[Callable[[], None]]:
     """Hold ``stream`` back on the device until the returned ``release()`` is called or the
-    block ends (see :func:`hold_cu`)."""
+    block ends (see `hold_cu`)."""
     impl = stream.impl
     with hold_cu(impl.device, impl.cu, impl.lock, impl.enqueued) as release:
         yield release

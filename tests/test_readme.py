@@ -106,3 +106,23 @@ def test_readme_names_the_pythons_it_was_tested_on() -> None:
     tested = re.search(r"CI tests it on Python ([0-9., and]+)", text)
     assert tested is not None, "the README no longer says which Pythons CI tests"
     assert re.findall(r"3\.\d+", tested.group(1)) == claimed
+
+
+def test_getting_started_names_the_pythons_ci_runs() -> None:
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    claimed = _claimed_pythons()
+    assert f"Python {claimed[0]}\N{EN DASH}{claimed[-1]}" in text
+    runs = re.search(r"runs the test suite on Python ([0-9., and]+)", text)
+    assert runs is not None, "getting-started no longer says which Pythons CI runs"
+    assert re.findall(r"3\.\d+", runs.group(1)) == claimed
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_every_path_the_page_names_is_in_a_clone(page: str) -> None:
+    """A backquoted repository path (``docs/concepts/``, ``.ci/run``, ``tests/cuda_emulator``)
+    names something a clone has: not a file outside the repository."""
+    text = (ROOT / page).read_text()
+    named = set(re.findall(r"`(\.?[\w-]+(?:/[\w.-]*)+|[\w-]+\.(?:md|py|sh|txt|toml))`", text))
+    assert named, f"{page} names no path: the pattern is out of date"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"{page} names paths a clone does not have: {missing}"

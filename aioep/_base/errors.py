@@ -1,7 +1,7 @@
 """The aioep exception tree.
 
-Every error aioep raises is an :class:`EpError` carrying an ONNX Runtime style
-:class:`ErrorCode`. The specific subclasses also derive from the builtin that a
+Every error aioep raises is an `EpError` carrying an ONNX Runtime style
+`ErrorCode`. The specific subclasses also derive from the builtin that a
 caller would reach for first::
 
     EpError (Exception)                      code varies
@@ -13,7 +13,7 @@ caller would reach for first::
     └── DeviceError (RuntimeError)           EP_FAIL           the device or driver failed; cause chained
 
 Backend and driver errors are translated at one boundary,
-:func:`translate_backend_error`, which keeps the original as ``__cause__``.
+`translate_backend_error`, which keeps the original as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -110,11 +110,11 @@ class DeviceError(EpError, RuntimeError):
 
 
 def translate_backend_error(exc: BaseException, what: str) -> EpError:
-    """Turn an exception raised by backend code into an :class:`EpError`.
+    """Turn an exception raised by backend code into an `EpError`.
 
     ``what`` names the operation, e.g. ``"sim stream 'sim:0/3' copy"``. An
     ``EpError`` passes through unchanged; anything else becomes a
-    :class:`DeviceError` whose message keeps the backend's own text. The caller
+    `DeviceError` whose message keeps the backend's own text. The caller
     raises the result ``from exc`` so the cause stays chained.
     """
     if isinstance(exc, EpError):

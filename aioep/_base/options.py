@@ -1,7 +1,7 @@
 """Parsing backend options: one rule set for every factory.
 
 Backend options arrive as a mapping of str to str/int/float (``backend_options=``
-of :class:`aioep.Environment`, the ``options`` of ``register_library``,
+of `aioep.Environment`, the ``options`` of ``register_library``,
 ``create_shared_allocator`` and ``create_sync_stream``); strings come from
 config files and ORT-style key/value pairs. These helpers turn one value into a
 checked Python value, so that the same value means the same thing to every
@@ -22,8 +22,8 @@ parse_choice_option    a ``str`` that is one of the choices after stripping whit
                        (case-sensitive).
 =====================  =========================================================================
 
-``minimum`` and ``maximum`` are inclusive. :func:`reject_unknown_options` checks the
-mapping itself and its keys. Every error is an :class:`aioep.InvalidArgument` whose
+``minimum`` and ``maximum`` are inclusive. `reject_unknown_options` checks the
+mapping itself and its keys. Every error is an `aioep.InvalidArgument` whose
 message names the owner (``"sim backend"``, ``"cuda allocator"``), the key, what is
 allowed and the value given, e.g. ``sim backend option 'num_devices' must be an
 integer in [0, 64], got '2.0' (not a whole integer)``.

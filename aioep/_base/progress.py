@@ -27,7 +27,7 @@ def wants_bar(progress: bool | None, where: str) -> bool:
 
 class ProgressBar:
     """A tqdm bar of ``total`` ``unit``s, or nothing when ``show`` is false, ``total`` is 0
-    or tqdm is not installed. Thread-safe as tqdm is; :meth:`close` is idempotent."""
+    or tqdm is not installed. Thread-safe as tqdm is; `close` is idempotent."""
 
     def __init__(self, total: int, desc: str, show: bool, *, unit: str = "B") -> None:
         self._bar: Any = None

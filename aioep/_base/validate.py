@@ -1,4 +1,4 @@
-"""Argument checks for the public boundary: each raises :class:`InvalidArgument` naming the
+"""Argument checks for the public boundary: each raises `InvalidArgument` naming the
 argument, what it got and what it accepts, before anything is done."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class CopyDispatcher:
         allow_reshape: bool,
     ) -> CopyFuture:
         """Validate the batch, enqueue or run it, and return its future (see
-        :meth:`Environment.copy_tensors`)."""
+        `Environment.copy_tensors`)."""
         if allow_reshape is not False and allow_reshape is not True:
             raise InvalidArgument(
                 f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
@@ -226,7 +226,7 @@ class CopyDispatcher:
                 pass
 
     def drain_blocking(self) -> None:
-        """Blocking form of :meth:`drain`, for synchronous callers."""
+        """Blocking form of `drain`, for synchronous callers."""
         for future in list(self._inflight):
             try:
                 future.wait()
@@ -301,7 +301,7 @@ def _run_groups(plan: CopyPlan) -> tuple[DataTransfer, BaseException] | None:
     """Run an un-streamed plan; on failure, the transfer that failed and its exception.
 
     The exception is handed on as the backend raised it: the future translates it,
-    once, into the :class:`DeviceError` it raises (chained to it).
+    once, into the `DeviceError` it raises (chained to it).
     """
     plan.pack()
     for transfer, pairs in plan.groups:

@@ -1,4 +1,4 @@
-"""Copy futures: the result of :func:`aioep.copy_tensors`."""
+"""Copy futures: the result of `aioep.copy_tensors`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class CopyFuture:
     """A batch of tensor copies in flight.
 
     ``await future`` returns the destination tensors once the device has
-    finished the copies (or raises :class:`DeviceError`). Every source and
+    finished the copies (or raises [`DeviceError`][aioep.DeviceError]). Every source and
     destination buffer is kept alive, and pinned against explicit frees, until
     then, even if the awaiting task is cancelled or every other reference is
     dropped: cancelling abandons the wait, the copy still runs its course.
@@ -56,8 +56,8 @@ class CopyFuture:
         what: object = "copy_tensors",
     ) -> None:
         """``keepalive``: every tensor to keep alive and pinned until the copies complete;
-        ``dst``: what :meth:`result` returns; ``what``: the operation named in a failure's
-        message (a string, or the :class:`SyncStream` the copies were enqueued on)."""
+        ``dst``: what `result` returns; ``what``: the operation named in a failure's
+        message (a string, or the `SyncStream` the copies were enqueued on)."""
         self._lock = threading.Lock()
         self._status = CopyStatus.PENDING
         self._error: EpError | None = None
@@ -145,7 +145,7 @@ class CopyFuture:
         return self._error
 
     def wait(self, timeout: float | None = None) -> list[Tensor]:
-        """Block the calling thread until done and return :meth:`result`.
+        """Block the calling thread until done and return [`result`][aioep.CopyFuture.result].
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the copy goes on).

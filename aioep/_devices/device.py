@@ -26,7 +26,7 @@ class EpDevice:
 
     Factories build these in ``get_supported_devices``; the environment binds
     them when the library is registered, after which
-    :meth:`create_sync_stream` works.
+    [`create_sync_stream`][aioep.EpDevice.create_sync_stream] works.
     """
 
     __slots__ = (

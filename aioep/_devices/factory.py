@@ -29,11 +29,11 @@ class EpFactory(abc.ABC):
 
     Subclasses set ``name`` (the EP name), ``vendor``, ``vendor_id`` and
     ``version`` (SemVer), take their options as one optional mapping in
-    ``__init__`` (raising :class:`InvalidArgument` for an unknown or bad option),
-    and implement :meth:`get_supported_devices` and :meth:`create_allocator`.
-    A factory that starts but finds no device returns no devices and may set
-    ``unavailable_reason`` to say why; the environment records it in
-    ``load_errors``.
+    ``__init__`` (raising [`InvalidArgument`][aioep.InvalidArgument] for an unknown or bad option),
+    and implement [`get_supported_devices`][aioep.abc.EpFactory.get_supported_devices] and
+    [`create_allocator`][aioep.abc.EpFactory.create_allocator]. A factory that starts but finds no
+    device returns no devices and may set ``unavailable_reason`` to say why; the environment records
+    it in ``load_errors``.
     """
 
     name: str = ""
@@ -57,7 +57,7 @@ class EpFactory(abc.ABC):
         return None
 
     def is_stream_aware(self) -> bool:
-        """True if :meth:`create_sync_stream` is implemented."""
+        """True if [`create_sync_stream`][aioep.abc.EpFactory.create_sync_stream] is implemented."""
         return False
 
     def create_sync_stream(
@@ -72,7 +72,7 @@ class EpFactory(abc.ABC):
 
     def create_memory_importer(self) -> MemoryImporter | None:
         """What adopts other libraries' memory (DLPack, CUDA Array Interface) on this
-        factory's devices, or None (see :class:`aioep.abc.MemoryImporter`)."""
+        factory's devices, or None (see [`aioep.abc.MemoryImporter`][aioep.abc.MemoryImporter])."""
         return None
 
     def create_ep(self, ep_devices: Sequence[EpDevice], options: Mapping[str, Any] | None) -> Ep:

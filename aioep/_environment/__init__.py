@@ -1,6 +1,6 @@
 """The environment: plugin libraries, their devices, shared allocators and copies.
 
-``environment`` (:class:`~aioep.Environment`, ``async with`` and blocking), ``registry``
+``environment`` (`Environment`, ``async with`` and blocking), ``registry``
 (loading libraries from entry points or paths, in-use checks, teardown order) and
 ``shared_allocators`` (one per memory device, with ORT's rules) and ``stream_pool`` (the
 streams ``env.pooled_stream`` lends, shared round-robin).

@@ -1,7 +1,7 @@
 """The environment: plugin libraries, their devices, shared allocators, data transfers,
 streams and copies (ORT's ``OrtEnv``).
 
-:class:`Environment` is a facade over three parts with one job each: the library
+`Environment` is a facade over three parts with one job each: the library
 registry (``registry``), the shared allocators (``shared_allocators``) and the copy
 dispatcher (``aioep._copies.dispatcher``). It owns the lifecycle and the context's
 current environment.
@@ -76,7 +76,7 @@ _session_factory: list[Callable[..., Awaitable[Any]]] = []
 
 
 def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
-    """Install the function behind :meth:`Environment.create_session`
+    """Install the function behind `Environment.create_session`
     (``aioep._session.session``)."""
     _session_factory[:] = [create]
 
@@ -113,7 +113,7 @@ def current_environment() -> Environment:
 
 def _environment_for(src: Sequence[Any], dst: Sequence[Any]) -> Environment:
     """The environment of a module-level ``copy_tensors``: the owner of the first tensor
-    in device memory an environment allocated; else :func:`current_environment`."""
+    in device memory an environment allocated; else `current_environment`."""
     for seq in (src, dst):
         if type(seq) not in (list, tuple):
             continue
@@ -153,11 +153,11 @@ def copy_tensors(
     allow_reshape: bool = False,
 ) -> CopyFuture:
     """Copy each ``src[i]`` into ``dst[i]`` in the environment that owns the tensors; see
-    :meth:`Environment.copy_tensors`.
+    [`Environment.copy_tensors`][aioep.Environment.copy_tensors].
 
     The environment is the one whose allocator made the first device tensor of the
     batch (or, with ``stream``, the stream's); where every tensor is host memory or
-    imported, :func:`current_environment`.
+    imported, [`current_environment`][aioep.current_environment].
     """
     if stream is not None and isinstance(stream, SyncStream):
         dev_env = stream.ep_device._env
@@ -252,7 +252,7 @@ class Environment(AsyncResource):
     def open(self) -> Environment:
         """Register the host device and installed backends and make this environment current.
 
-        The synchronous form of ``async with``; pair it with :meth:`close`.
+        The synchronous form of ``async with``; pair it with [`close`][aioep.Environment.close].
         """
         self._start()
         self._token = _current.set(self)
@@ -287,7 +287,7 @@ class Environment(AsyncResource):
         """Wait for copies in flight, then release everything in dependency order; idempotent.
 
         Shielded from cancellation. Resources that are still alive (open streams,
-        live buffers) are reported with a :class:`ResourceWarning`.
+        live buffers) are reported with a `ResourceWarning`.
         """
         if not self._begin_closing():
             return
@@ -301,7 +301,7 @@ class Environment(AsyncResource):
             _leave(self)
 
     def close(self) -> None:
-        """Blocking form of :meth:`aclose`, for synchronous scripts."""
+        """Blocking form of [`aclose`][aioep.Environment.aclose], for synchronous scripts."""
         if self._begin_closing():
             self._copies.drain_blocking()
             self._release_everything()
@@ -335,7 +335,7 @@ class Environment(AsyncResource):
     ) -> list[EpDevice]:
         """Register a plugin library and return the EP devices it offers.
 
-        ``target`` is an :class:`EpFactory` instance or class (a class is
+        ``target`` is an [`EpFactory`][aioep.abc.EpFactory] instance or class (a class is
         constructed with ``options``), a ``"module:attr"`` string naming either,
         or the path of an ONNX Runtime plugin EP shared library (handled by the
         ``ort`` backend). Adds the library's EP devices, one default shared
@@ -507,7 +507,7 @@ class Environment(AsyncResource):
         *,
         allow_reshape: bool = False,
     ) -> CopyFuture:
-        """Copy each ``src[i]`` into ``dst[i]`` and return a :class:`CopyFuture`.
+        """Copy each ``src[i]`` into ``dst[i]`` and return a [`CopyFuture`][aioep.CopyFuture].
 
         Everything is validated before anything is enqueued: equal counts, equal
         dtype, size and shape per pair (``allow_reshape=True`` permits a byte copy
@@ -537,7 +537,8 @@ class Environment(AsyncResource):
     ) -> dict[str, Tensor]:
         """Load a model's initializers onto ``ep_device`` (external data straight to the device).
 
-        See :func:`aioep._external_data.loading.load_initializers` for ``options``.
+        See [`load_initializers`][aioep._external_data.loading.load_initializers] (the External
+        data reference) for ``options``.
         """
         self._check_open()
         return await load_initializers(self, model, ep_device, names, **options)

@@ -123,7 +123,7 @@ class LibraryRegistry:
             )
 
     def register(self, name: str, target: Any, options: Mapping[str, Any] | None) -> list[EpDevice]:
-        """Register a library (see :meth:`Environment.register_library`); all or nothing."""
+        """Register a library (see `Environment.register_library`); all or nothing."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"register_library: name must be a non-empty str, got {name!r}")
         with self._lock:
@@ -193,7 +193,7 @@ class LibraryRegistry:
             self.loaders.append((lib.name, loader))
 
     def unregister(self, name: str, copies_in_flight: Callable[[str], int]) -> None:
-        """Remove a library (see :meth:`Environment.unregister_library`).
+        """Remove a library (see `Environment.unregister_library`).
 
         ``copies_in_flight(name)`` counts the library's copy batches still in flight.
         """
@@ -253,7 +253,7 @@ class LibraryRegistry:
 
     # -- teardown --------------------------------------------------------------------------
     async def close_sessions(self) -> None:
-        """Close the sessions still open, each reported with a :class:`ResourceWarning`."""
+        """Close the sessions still open, each reported with a `ResourceWarning`."""
         for session in self.open_sessions():
             warnings.warn(
                 f"{session!r} was still open when the environment closed; closing it",
@@ -399,7 +399,7 @@ class LibraryRegistry:
 
     # -- streams and sessions --------------------------------------------------------------
     def create_stream(self, ep_device: EpDevice, options: Mapping[str, Any] | None) -> SyncStream:
-        """A new stream on ``ep_device`` (see :meth:`Environment.create_sync_stream`)."""
+        """A new stream on ``ep_device`` (see `Environment.create_sync_stream`)."""
         with self._lock:
             lib, factory, memory = self._stream_maker(ep_device)
             impl = _make_stream_impl(factory, memory, options)

@@ -64,13 +64,13 @@ class ChunkedExternalDataLoader(ExternalDataLoader):
     Reads the file in ``chunk_bytes`` pieces into a ring of ``staging_buffers``
     host-accessible buffers (the device's HOST_ACCESSIBLE memory when it has one,
     else host memory) and copies each piece to the destination with
-    :meth:`Environment.copy_tensors`, on ``stream`` when given. Reading chunk n+1
-    overlaps copying chunk n, and host memory stays bounded by the ring whatever
+    [`Environment.copy_tensors`][aioep.Environment.copy_tensors], on ``stream`` when given. Reading
+    chunk n+1 overlaps copying chunk n, and host memory stays bounded by the ring whatever
     the tensor's size. Host-accessible destinations are read into directly.
     Reads run in worker threads, off the event loop.
 
     One loader serves one load at a time (concurrent calls take turns). Call
-    :meth:`close` to free the staging buffers.
+    [`close`][aioep.abc.ChunkedExternalDataLoader.close] to free the staging buffers.
     """
 
     def __init__(

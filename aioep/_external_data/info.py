@@ -12,7 +12,7 @@ initializer before anything is allocated or read:
   ``size_t`` ("Failed to parse value" otherwise) and are non-negative;
 - ``length`` equals the tensor's byte size; when absent it means "to the end of the
   file", which must then equal it; ``offset + length`` lies within the file;
-- the file exists (else :class:`NoSuchFile`) and is a regular file;
+- the file exists (else `NoSuchFile`) and is a regular file;
 - string and undefined tensors are refused, and so are ORT's in-memory address tags.
 """
 

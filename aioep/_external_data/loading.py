@@ -4,8 +4,8 @@ device memory, through external data loaders (ORT's ``IExternalDataLoader``).
 A factory offers a loader through ``create_external_data_loader()``; the
 environment picks the first registered one whose ``can_load`` accepts the
 destination's memory info. Devices whose factory offers none use the built-in
-:class:`~aioep._external_data.chunked_loader.ChunkedExternalDataLoader`. Every initializer is
-validated (see :mod:`aioep._external_data.info`) before anything is allocated.
+[`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader]. Every initializer is
+validated (see `aioep._external_data.info`) before anything is allocated.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The graph view: what an EP sees of a model, and the ONNX models built from it.
 
-``graph`` (:class:`~aioep.GraphView`, its nodes and initializers), ``types`` (value and
+``graph`` (`GraphView`, its nodes and initializers), ``types`` (value and
 node types), ``inference`` (shape inference), ``order`` (topological order),
 ``onnx_models`` (models for a subgraph, for the CPU fallback) and ``ort_compat`` (what the
 installed onnxruntime reads).

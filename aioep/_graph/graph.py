@@ -1,10 +1,10 @@
 """A read-only view of an ONNX model graph for execution providers (ORT's ``OrtGraph`` /
 ``GraphViewer``), built on the ``onnx`` package.
 
-EPs look at a :class:`GraphView` in ``get_capability``: nodes in topological order
-(:class:`Node`: index, op type, domain, inputs, outputs, attributes), value types
-and shapes (:class:`ValueInfo`, from ONNX shape inference), and initializers
-(:class:`Initializer`; external data is read only when asked).
+EPs look at a `GraphView` in ``get_capability``: nodes in topological order
+(`Node`: index, op type, domain, inputs, outputs, attributes), value types
+and shapes (`ValueInfo`, from ONNX shape inference), and initializers
+(`Initializer`; external data is read only when asked).
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ def _outer_scope_reads(graph: Any) -> set[str]:
 
 
 class GraphView:
-    """A read-only view of a model's main graph; build it with :meth:`from_model`.
+    """A read-only view of a model's main graph; build it with
+    [`from_model`][aioep.abc.GraphView.from_model].
 
     Attributes: ``nodes`` (topological order), ``inputs`` and ``outputs``
-    (:class:`ValueInfo`, graph inputs that are initializers excluded),
-    ``initializers`` (name -> :class:`Initializer`), ``opsets`` (domain -> version).
+    ([`ValueInfo`][aioep.abc.ValueInfo], graph inputs that are initializers excluded),
+    ``initializers`` (name -> [`Initializer`][aioep.abc.Initializer]), ``opsets`` (domain ->
+    version).
     """
 
     __slots__ = (
@@ -93,9 +95,9 @@ class GraphView:
     def from_model(cls, model: str | os.PathLike[str] | Any) -> GraphView:
         """View an ONNX model given as a path or an ``onnx.ModelProto``.
 
-        External initializer data is not loaded. Raises :class:`NoSuchFile` for a
-        missing file and :class:`InvalidArgument` for something that is not a model
-        or a graph that is not a DAG.
+        External initializer data is not loaded. Raises [`NoSuchFile`][aioep.NoSuchFile] for a
+        missing file and [`InvalidArgument`][aioep.InvalidArgument] for something that is not a
+        model or a graph that is not a DAG.
         """
         onnx = _onnx()
         path: Path | None = None
@@ -196,7 +198,7 @@ class GraphView:
 
     @property
     def outputs(self) -> tuple[ValueInfo, ...]:
-        """The graph outputs' :class:`ValueInfo` (shapes from inference)."""
+        """The graph outputs' [`ValueInfo`][aioep.abc.ValueInfo] (shapes from inference)."""
         if self._outputs is None:
             onnx = _onnx()
             self._outputs = tuple(
@@ -311,8 +313,8 @@ class GraphView:
         load_external_data: bool = True,
     ) -> Any:
         """A standalone ``onnx.ModelProto`` that computes a node group (for delegating it to
-        onnxruntime). Defaults to the group's :meth:`boundary`; initializers the group
-        reads become initializers of the sub-model (external data loaded).
+        onnxruntime). Defaults to the group's [`boundary`][aioep.abc.GraphView.boundary];
+        initializers the group reads become initializers of the sub-model (external data loaded).
 
         The sub-model keeps the source model's opsets and IR version, the latter capped to
         the newest the installed onnxruntime loads.

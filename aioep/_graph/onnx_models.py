@@ -26,7 +26,7 @@ def extract_model(
     load_external_data: bool = True,
 ) -> Any:
     """A standalone ``onnx.ModelProto`` that computes a node group of ``graph``; see
-    :meth:`GraphView.extract_model <aioep.GraphView.extract_model>`."""
+    `GraphView.extract_model`."""
     onnx = _onnx()
     helper = onnx.helper
     source = graph.model

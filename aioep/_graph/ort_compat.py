@@ -5,7 +5,7 @@ older onnxruntime refuses even when the model uses nothing newer than what it kn
 Models that aioep hands to onnxruntime (extracted sub-models, the CPU fallback) carry
 the source model's IR version capped to the installed onnxruntime's, and a model that
 really needs more (an opset or IR feature the runtime predates) is refused with a clear
-:class:`~aioep.InvalidArgument` instead of a loader error deep inside a session build.
+`InvalidArgument` instead of a loader error deep inside a session build.
 
 The limits are found once per process by loading a one-node model into onnxruntime,
 from the newest version onnx knows downwards; onnxruntime has no API that reports them.

@@ -1,5 +1,5 @@
-"""The elements of a graph view: values (:class:`ValueInfo`), nodes (:class:`Node`) and
-constant tensors (:class:`Initializer`), read from the ``onnx`` package's protos."""
+"""The elements of a graph view: values (`ValueInfo`), nodes (`Node`) and
+constant tensors (`Initializer`), read from the ``onnx`` package's protos."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class ValueInfo:
 
 @dataclass(frozen=True)
 class Node:
-    """One node; ``index`` is its position in :attr:`GraphView.nodes` (topological order).
+    """One node; ``index`` is its position in `GraphView.nodes` (topological order).
 
     ``inputs`` keeps ONNX's empty string for a missing optional input.
     ``implicit_inputs`` are outer-scope values read by subgraph attributes (If, Loop, Scan).
@@ -94,7 +94,8 @@ class Node:
 
 
 class Initializer:
-    """A constant tensor of the model; its data is read only by :meth:`numpy`."""
+    """A constant tensor of the model; its data is read only by
+    [`numpy`][aioep.abc.Initializer.numpy]."""
 
     __slots__ = ("_base_dir", "_proto", "dtype", "external", "name", "shape")
 

@@ -166,7 +166,7 @@ class DLPackView:
     """What a consumed capsule describes: address of the first element (``byte_offset``
     included), device, shape, element strides (None: C-contiguous), dtype, read-only flag.
 
-    The view owns the producer's managed tensor: :meth:`release` calls its deleter (once);
+    The view owns the producer's managed tensor: `release` calls its deleter (once);
     until then the producer keeps the memory alive.
     """
 
@@ -234,7 +234,7 @@ def read_capsule(capsule: object) -> DLPackView:
     """Consume a DLPack capsule (legacy or versioned) and return what it describes.
 
     The capsule is renamed ``used_...`` at once, so the view owns the managed tensor
-    and must be released (:meth:`DLPackView.release`) when the memory is no longer used.
+    and must be released (`DLPackView.release`) when the memory is no longer used.
 
     Raises:
         BufferError: not an unconsumed DLPack capsule, a newer major ABI version, or a
@@ -372,6 +372,7 @@ def dlpack_capsule(
 
 
 def live_dlpack_exports() -> int:
-    """Capsules (or consumers) that still hold a tensor exported by :func:`dlpack_capsule`."""
+    """Capsules (or consumers) that still hold a tensor exported by
+    [`dlpack_capsule`][aioep.abc.dlpack_capsule]."""
     with _live_lock:
         return len(_live)

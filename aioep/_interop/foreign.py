@@ -2,8 +2,8 @@
 zero-copy wherever aioep takes a tensor, through DLPack (``__dlpack__`` /
 ``__dlpack_device__``) or the CUDA Array Interface (``__cuda_array_interface__``).
 
-The registered backends' :class:`~aioep.abc.MemoryImporter` hooks say which device owns
-the memory; the result is a :class:`Tensor` over an :class:`ImportedBuffer`, which keeps
+The registered backends' `MemoryImporter` hooks say which device owns
+the memory; the result is a `Tensor` over an `ImportedBuffer`, which keeps
 the producer alive, calls the DLPack deleter when it dies, and is never freed by aioep.
 Stream order follows the array API standard: the producer gets the consumer's stream in
 ``__dlpack__(stream=...)``; a CUDA Array Interface's ``stream`` is waited on (on the
@@ -125,7 +125,7 @@ _ROLES = ("source", "destination")
 def import_value(
     env: Environment, value: object, role: str, *, writable: bool = False
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
-    """:func:`as_tensor` with ``env``'s importers and no stream (a value bound for later
+    """`as_tensor` with ``env``'s importers and no stream (a value bound for later
     use: IOBinding)."""
     return as_tensor(
         value, role=role, writable=writable, importers=lambda: _env_importers(env), stream=None

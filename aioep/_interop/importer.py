@@ -1,7 +1,7 @@
 """The plugin hook for foreign memory: how a backend adopts memory that another library
 made (PyTorch, CuPy, JAX, numba...) and handed over by DLPack or the CUDA Array Interface.
 
-A factory offers a :class:`MemoryImporter` from ``EpFactory.create_memory_importer``. The
+A factory offers a `MemoryImporter` from ``EpFactory.create_memory_importer``. The
 core asks the registered importers, in registration order, which of them owns the
 memory; the owner's device then holds the imported tensor (zero-copy, never freed by
 aioep) and its data transfers move it. The host's importer owns ``kDLCPU``.
@@ -28,7 +28,8 @@ class MemoryImporter:
     """
 
     dlpack_device_types: tuple[int, ...] = ()
-    """DLPack device type codes (:class:`DLDeviceType`) this backend's memory may have."""
+    """DLPack device type codes ([`DLDeviceType`][aioep.abc.DLDeviceType]) this backend's memory may
+    have."""
 
     def adopt(self, device_type: int, device_id: int, ptr: int, nbytes: int) -> MemoryInfo | None:
         """The memory info of ``nbytes`` at ``ptr`` on the DLPack device
@@ -57,11 +58,11 @@ class MemoryImporter:
         """A notification activated after the work enqueued so far on the producer's
         stream, which the copy must wait for; None when there is nothing to wait for.
 
-        ``producer_stream`` is what this importer's :meth:`dlpack_stream` returned (the
-        producer ordered its work before that stream), or a CUDA Array Interface's
-        ``stream`` (never None here). ``stream`` is the copy's stream (None: none);
-        the core waits for the notification on it, on the device, or on a worker thread
-        before a copy without a stream.
+        ``producer_stream`` is what this importer's
+        [`dlpack_stream`][aioep.abc.MemoryImporter.dlpack_stream] returned (the producer ordered its
+        work before that stream), or a CUDA Array Interface's ``stream`` (never None here).
+        ``stream`` is the copy's stream (None: none); the core waits for the notification on it, on
+        the device, or on a worker thread before a copy without a stream.
         """
         return None
 

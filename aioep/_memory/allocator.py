@@ -20,7 +20,7 @@ __all__ = ["Allocator", "check_nbytes", "check_stream"]
 
 
 def check_nbytes(kind: str, name: str, nbytes: object) -> None:
-    """Raise :class:`InvalidArgument` naming the ``kind`` of allocator and its memory's
+    """Raise `InvalidArgument` naming the ``kind`` of allocator and its memory's
     ``name`` unless ``nbytes`` is an int in ``[0, 2**62]`` (a bool is refused)."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_DIM:
         raise InvalidArgument(
@@ -29,8 +29,8 @@ def check_nbytes(kind: str, name: str, nbytes: object) -> None:
 
 
 def check_stream(kind: str, name: str, stream: object) -> None:
-    """Raise :class:`InvalidArgument` naming the ``kind`` of allocator and its memory's
-    ``name`` unless ``stream`` is a :class:`SyncStream` or None."""
+    """Raise `InvalidArgument` naming the ``kind`` of allocator and its memory's
+    ``name`` unless ``stream`` is a `SyncStream` or None."""
     if stream is not None and not isinstance(stream, SyncStream):
         raise InvalidArgument(
             f"{kind} {name!r}: stream must be an aioep.SyncStream or None, "
@@ -39,11 +39,11 @@ def check_stream(kind: str, name: str, stream: object) -> None:
 
 
 class Allocator(abc.ABC):
-    """Hands out :class:`Buffer` objects in one kind of memory (ORT's ``OrtAllocator``).
+    """Hands out [`Buffer`][aioep.Buffer] objects in one kind of memory (ORT's ``OrtAllocator``).
 
-    Backends implement :meth:`_allocate` and :meth:`_free`; this base class does
-    the bookkeeping (live buffers, statistics, closing) and is thread-safe:
-    buffers may be released from any thread.
+    Backends implement [`_allocate`][aioep.abc.Allocator._allocate] and
+    [`_free`][aioep.abc.Allocator._free]; this base class does the bookkeeping (live buffers,
+    statistics, closing) and is thread-safe: buffers may be released from any thread.
     """
 
     def __init__(self, memory_info: MemoryInfo) -> None:
@@ -67,7 +67,8 @@ class Allocator(abc.ABC):
 
     @abc.abstractmethod
     def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        """Give back memory that :meth:`_allocate` returned; called from any thread."""
+        """Give back memory that [`_allocate`][aioep.abc.Allocator._allocate] returned; called from
+        any thread."""
 
     def _close(self) -> None:
         """Release backend resources; called once, after the last buffer is gone."""
@@ -86,13 +87,15 @@ class Allocator(abc.ABC):
         return self._account(self._allocate(nbytes, stream) if nbytes else 0, nbytes, stream)
 
     def adopt(self, ptr: int, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
-        """A buffer of this allocator over memory the backend reserved outside :meth:`alloc`.
+        """A buffer of this allocator over memory the backend reserved outside
+        [`alloc`][aioep.Allocator.alloc].
 
         For backends whose runtime allocates memory itself (an output an EP's runtime
-        made, say): the backend first takes ownership of it as :meth:`_allocate` would,
-        then adopts it here, so that it counts as a live buffer (the library cannot be
-        unregistered under it) and goes back through :meth:`_free` when dropped. Works
-        on a closed allocator too: ``_free`` serves live buffers after closing.
+        made, say): the backend first takes ownership of it as
+        [`_allocate`][aioep.abc.Allocator._allocate] would, then adopts it here, so that it counts
+        as a live buffer (the library cannot be unregistered under it) and goes back through
+        [`_free`][aioep.abc.Allocator._free] when dropped. Works on a closed allocator too:
+        ``_free`` serves live buffers after closing.
         """
         check_nbytes("allocator", self.memory_info.name, nbytes)
         return self._account(ptr, nbytes, stream)
@@ -142,7 +145,7 @@ class Allocator(abc.ABC):
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`close`."""
+        """True after [`close`][aioep.Allocator.close]."""
         return self._closed
 
     def stats(self) -> dict[str, int]:
@@ -166,7 +169,8 @@ class Allocator(abc.ABC):
     def close(self) -> None:
         """Stop handing out memory and release backend resources; idempotent.
 
-        Live buffers stay valid: they are still returned through :meth:`_free`.
+        Live buffers stay valid: they are still returned through
+        [`_free`][aioep.abc.Allocator._free].
         """
         with self._lock:
             if self._closed:

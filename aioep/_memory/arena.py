@@ -46,7 +46,7 @@ _new_buffer = object.__new__
 
 
 class _ArenaBuffer(Buffer):
-    """An arena buffer: released by ``__del__`` (no ``weakref.finalize``) or :meth:`free`.
+    """An arena buffer: released by ``__del__`` (no ``weakref.finalize``) or `free`.
 
     ``_chunk`` is the arena chunk while the buffer holds it; the arena clears it under
     its lock, so a buffer is released exactly once whichever way comes first. Each
@@ -414,7 +414,7 @@ class ArenaAllocator(Allocator):
 
     # -- internals ---------------------------------------------------------------------------
     def _size_class(self, nbytes: int) -> int:
-        """The chunk size a request of ``nbytes`` (> 0) gets (as :meth:`alloc` inlines it)."""
+        """The chunk size a request of ``nbytes`` (> 0) gets (as `alloc` inlines it)."""
         if nbytes > self._class_from:
             bits = (nbytes - 1).bit_length()
             step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))

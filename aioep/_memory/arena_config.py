@@ -54,8 +54,8 @@ _UNSIGNED = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]+")
 class ArenaConfig:
     """Arena settings, with ORT's defaults (``OrtArenaCfg`` after ``-1`` is resolved).
 
-    Build one from ORT's key/value options with :meth:`from_options`, or directly.
-    ``max_mem=0`` means no limit.
+    Build one from ORT's key/value options with [`from_options`][aioep.ArenaConfig.from_options], or
+    directly. ``max_mem=0`` means no limit.
     """
 
     extend_strategy: ArenaExtendStrategy = ArenaExtendStrategy.NEXT_POWER_OF_TWO

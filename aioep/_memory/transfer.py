@@ -39,7 +39,8 @@ class DataTransfer(abc.ABC):
         """True if this transfer copies from ``src`` memory to ``dst`` memory."""
 
     def can_use_stream(self, stream: StreamImpl) -> bool:
-        """True if :meth:`copy_tensors` can enqueue on ``stream`` (a backend stream object)."""
+        """True if [`copy_tensors`][aioep.abc.DataTransfer.copy_tensors] can enqueue on ``stream``
+        (a backend stream object)."""
         return False
 
     @abc.abstractmethod
@@ -168,9 +169,9 @@ def plan_copies(
     caches the routing across calls; it must belong to this stream (or to
     un-streamed copies) and this environment. With ``defer_packing``, a large
     non-contiguous source array gets an empty contiguous staging array, filled by
-    :meth:`CopyPlan.pack` where the copy runs (off the loop), instead of being
+    `CopyPlan.pack` where the copy runs (off the loop), instead of being
     packed here. With ``scope`` (the environment's), device tensors of another
-    environment are refused (see :func:`aioep._tensors.ownership.check_owner`).
+    environment are refused (see `aioep._tensors.ownership.check_owner`).
     """
     _check_sequence("src", src)
     _check_sequence("dst", dst)

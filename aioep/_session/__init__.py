@@ -1,11 +1,11 @@
 """Sessions and EPs: partition a model, compile its parts, run it.
 
-``session`` (:class:`~aioep.Session`), ``plan`` (partition, compile, place
+``session`` (`Session`), ``plan`` (partition, compile, place
 initializers), ``run`` (one ``run``: inputs in, steps on their streams, outputs out),
 ``values`` (inputs and outputs, checked), ``workers`` (the session's threads),
-``io_binding`` (:class:`~aioep.IOBinding`), ``partition`` (EPs claim nodes, as ORT's
+``io_binding`` (`IOBinding`), ``partition`` (EPs claim nodes, as ORT's
 partitioner does), ``cpu_fallback`` (onnxruntime runs what no EP claimed) and ``ep``
-(:class:`~aioep.abc.Ep`, the EP interface).
+(`Ep`, the EP interface).
 
 Imports every layer below it.
 """

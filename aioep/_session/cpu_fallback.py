@@ -44,7 +44,7 @@ def load_whole(model: Any, opts: Mapping[str, Any]) -> Any:
 
 
 def use_whole(graph: GraphView, step: PlanStep, session: Any) -> None:
-    """Make ``session`` (from :func:`load_whole`) run ``step``, the whole graph.
+    """Make ``session`` (from `load_whole`) run ``step``, the whole graph.
 
     Raises:
         EpError: the session lacks one of the step's outputs.
@@ -108,7 +108,7 @@ def _load_part(graph: GraphView, step: PlanStep, so: Any, whole: bool) -> None:
 
 
 def run_ort(session: Any, feeds: dict[str, Any]) -> list[Any]:
-    """``session.run`` on ``feeds``, its errors as :class:`DeviceError`."""
+    """``session.run`` on ``feeds``, its errors as `DeviceError`."""
     try:
         return list(session.run(None, feeds))
     except Exception as exc:

@@ -3,19 +3,19 @@ graph (``get_capability``) and compile the claimed groups into callables (``comp
 
 The contract, in the order a session uses it:
 
-1. ``factory.create_ep(ep_devices, options)`` makes one :class:`Ep` per session;
-   the session then binds it to the environment and devices (:attr:`Ep.environment`,
-   :attr:`Ep.ep_devices`).
-2. ``ep.get_capability(graph)`` returns :class:`IndexedSubGraph` claims: node
-   indices of the :class:`GraphView`, plus a :class:`MetaDef` for a fused group (a
+1. ``factory.create_ep(ep_devices, options)`` makes one `Ep` per session;
+   the session then binds it to the environment and devices (`Ep.environment`,
+   `Ep.ep_devices`).
+2. ``ep.get_capability(graph)`` returns `IndexedSubGraph` claims: node
+   indices of the `GraphView`, plus a `MetaDef` for a fused group (a
    single node may come without one). Nodes a higher-priority EP already took are
    marked (``graph.assigned_ep(i)``) and must not be claimed again.
-3. ``ep.compile(groups)`` gets one :class:`FusedGroup` per accepted claim and returns
-   one :class:`CompiledNode` per group, in the same order.
+3. ``ep.compile(groups)`` gets one `FusedGroup` per accepted claim and returns
+   one `CompiledNode` per group, in the same order.
 4. Per run, the session calls ``await compiled(inputs, stream)``: ``inputs`` follow
-   ``meta_def.inputs`` and live in :attr:`Ep.memory_info` (the session copied them
+   ``meta_def.inputs`` and live in `Ep.memory_info` (the session copied them
    there and, for initializers, uploaded them once); the call returns one tensor per
-   ``meta_def.outputs``, allocated by the EP with :meth:`Ep.allocate` (the
+   ``meta_def.outputs``, allocated by the EP with `Ep.allocate` (the
    environment's shared allocator for the EP's device memory). With a stream, the
    call may return as soon as the work is *enqueued* on it: the outputs are valid
    for work enqueued later on that stream. With ``stream=None`` the work must be
@@ -79,8 +79,9 @@ class IndexedSubGraph:
 
 @dataclass(frozen=True)
 class FusedGroup:
-    """An accepted claim, as :meth:`Ep.compile` receives it: the meta-def (generated for a
-    single node claimed without one), the nodes in topological order, and the graph."""
+    """An accepted claim, as [`Ep.compile`][aioep.abc.Ep.compile] receives it: the meta-def
+    (generated for a single node claimed without one), the nodes in topological order, and the
+    graph."""
 
     meta_def: MetaDef
     nodes: tuple[Node, ...]
@@ -116,7 +117,7 @@ class Ep(abc.ABC):
     """An execution provider instance for one session.
 
     Subclasses set ``name`` (the EP name, e.g. ``"SimExecutionProvider"``) and
-    implement :meth:`get_capability` and :meth:`compile`.
+    implement [`get_capability`][aioep.abc.Ep.get_capability] and [`compile`][aioep.abc.Ep.compile].
     """
 
     name: str = ""
@@ -126,7 +127,8 @@ class Ep(abc.ABC):
     initializers_in_memory: bool = True
     """False for an EP whose compiled groups hold their initializers themselves (ONNX
     Runtime plugin EPs put them in each group's sub-model): the session then passes the
-    initializer inputs as host tensors and uploads nothing to :attr:`memory_info`."""
+    initializer inputs as host tensors and uploads nothing to
+    [`memory_info`][aioep.abc.Ep.memory_info]."""
 
     def __init__(self) -> None:
         self._environment: Environment | None = None
@@ -167,9 +169,9 @@ class Ep(abc.ABC):
         stream: SyncStream | None = None,
         memory_info: MemoryInfo | None = None,
     ) -> Tensor:
-        """A tensor in :attr:`memory_info`: the EP's outputs, and the session's copies of the
-        EP's inputs. By default from the environment's shared allocator; an EP whose runtime
-        needs its I/O allocated a particular way overrides this."""
+        """A tensor in [`memory_info`][aioep.abc.Ep.memory_info]: the EP's outputs, and the
+        session's copies of the EP's inputs. By default from the environment's shared allocator; an
+        EP whose runtime needs its I/O allocated a particular way overrides this."""
         return self.environment.empty(shape, dtype, memory_info or self.memory_info, stream=stream)
 
     @abc.abstractmethod

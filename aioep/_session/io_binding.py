@@ -1,6 +1,6 @@
 """Pre-bound session I/O (ORT's IOBinding, the awaitable way): tensors bound to a session's
 inputs and outputs once, checked when bound, and used by every
-:meth:`Session.run_with_binding <aioep.Session.run_with_binding>`."""
+`Session.run_with_binding`."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ __all__ = ["IOBinding", "place_bound_outputs"]
 class IOBinding:
     """Inputs and outputs bound to one session, reused across runs.
 
-    Made by :meth:`Session.io_binding <aioep.Session.io_binding>`. Each bind is checked
+    Made by [`Session.io_binding`][aioep.Session.io_binding]. Each bind is checked
     at once: an unknown name, a wrong dtype or shape, a freed tensor, a tensor of another
     environment, or memory the session's EPs cannot read (no data transfer reaches them)
-    raise :class:`~aioep.InvalidArgument`, and the binding is left as it was. A bound
+    raise [`InvalidArgument`][aioep.InvalidArgument], and the binding is left as it was. A bound
     tensor stays alive while it is bound.
     """
 
@@ -209,7 +209,7 @@ class IOBinding:
 def place_bound_outputs(
     env: Environment, outputs: Mapping[str, Any], bound: Mapping[str, Tensor | MemoryInfo]
 ) -> tuple[dict[str, Any], list[Tensor], list[Tensor]]:
-    """A run's outputs as :meth:`Session.run_with_binding` returns them, and the copies
+    """A run's outputs as `Session.run_with_binding` returns them, and the copies
     (sources, destinations) that put the bound ones in place.
 
     Raises:

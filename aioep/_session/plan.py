@@ -76,7 +76,7 @@ class CopyPoint:
 
 class SessionPlan:
     """What a session runs: its steps in order, the streams it made for its EPs, and the
-    facts a run needs about the model's inputs. Built by :meth:`build`."""
+    facts a run needs about the model's inputs. Built by `build`."""
 
     __slots__ = ("assignment", "copy_points", "direct", "graph", "input_specs", "steps", "streams")
 
@@ -110,7 +110,7 @@ class SessionPlan:
 
         ``preload``, when given, loads the whole model on onnxruntime; a single CPU step
         that is the whole graph uses it. On failure the streams made so far stay in
-        :attr:`streams` for the caller to close.
+        `streams` for the caller to close.
         """
         graph = self.graph
         loading: Future[None] | None = None

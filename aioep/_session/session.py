@@ -1,10 +1,10 @@
 """Inference sessions: a model partitioned across EPs, run with awaitable, stream-ordered
 copies between the partitions.
 
-A session is a plan (:mod:`aioep._session.plan`: the partitions in run order, where
+A session is a plan (`aioep._session.plan`: the partitions in run order, where
 values live and cross memories, the compiled EP nodes and the onnxruntime sessions of
-the CPU fallback), built once by :func:`create_session`, and a runner
-(:mod:`aioep._session.run`) that executes the plan for each ``run``.
+the CPU fallback), built once by `create_session`, and a runner
+(`aioep._session.run`) that executes the plan for each ``run``.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ class Session(AsyncResource):
     """A model partitioned across execution providers; create it with
     ``await env.create_session(model, ep_devices=[...])``.
 
-    ``await session.run(inputs)`` returns a dict of output name -> :class:`Tensor`.
+    ``await session.run(inputs)`` returns a dict of output name -> [`Tensor`][aioep.Tensor].
     Runs from many tasks may overlap: each run keeps its own state. ``async with``
-    (or :meth:`aclose`) closes the session's streams and releases its EPs.
+    (or [`aclose`][aioep.Session.aclose]) closes the session's streams and releases its EPs.
     """
 
     __slots__ = (
@@ -241,7 +241,7 @@ class Session(AsyncResource):
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`aclose`."""
+        """True after [`aclose`][aioep.Session.aclose]."""
         return self._state is _State.CLOSED
 
     async def run(
@@ -291,7 +291,7 @@ class Session(AsyncResource):
                 self._idle.set()
 
     def io_binding(self) -> IOBinding:
-        """A new :class:`~aioep.IOBinding` for this session's inputs and outputs."""
+        """A new [`IOBinding`][aioep.IOBinding] for this session's inputs and outputs."""
         if self._state is not _State.OPEN:
             raise ClosedError(f"{self!r} is closed")
         readers: dict[str, list[MemoryDevice]] = {}
@@ -313,11 +313,11 @@ class Session(AsyncResource):
         """Run the model on ``binding``'s inputs and put each bound output where it is bound.
 
         An output bound to a tensor is written into it (by the EP itself where it can, see
-        :meth:`CompiledNode.run_into <aioep.CompiledNode.run_into>`, else by a copy); one
+        [`CompiledNode.run_into`][aioep.abc.CompiledNode.run_into], else by a copy); one
         bound to a memory info is put in that memory; unbound outputs stay where the
         producing EP put them. Returns the outputs (also kept as ``binding.get_outputs()``).
-        ``stream`` works as in :meth:`run`: with one, the copies into bound outputs are
-        enqueued on it too.
+        ``stream`` works as in [`run`][aioep.Session.run]: with one, the copies into bound outputs
+        are enqueued on it too.
         """
         if not isinstance(binding, IOBinding) or binding._session is not self:
             raise InvalidArgument(

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 InputSpec = tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None, ValueInfo]
-"""A model input as a run checks it: name, dtype, shape and the full :class:`ValueInfo`."""
+"""A model input as a run checks it: name, dtype, shape and the full `ValueInfo`."""
 
 
 @dataclass
@@ -72,7 +72,7 @@ def host_feeds(
     specs: tuple[InputSpec, ...], inputs: Mapping[str, Tensor | npt.ArrayLike]
 ) -> dict[str, npt.NDArray[Any]] | None:
     """``inputs`` as host arrays when every one is a host tensor of the expected dtype and
-    shape (onnxruntime takes them as they are), else None: :func:`bind_inputs` then binds
+    shape (onnxruntime takes them as they are), else None: `bind_inputs` then binds
     them or raises the precise error."""
     if not isinstance(inputs, Mapping) or len(inputs) != len(specs):
         return None
@@ -152,7 +152,7 @@ def bind_inputs(
 def check_type(
     what: str, tensor: Tensor, want: np.dtype[Any] | None, shape: tuple[Any, ...] | None
 ) -> None:
-    """Raise :class:`InvalidArgument` naming ``what`` unless ``tensor`` has the model's
+    """Raise `InvalidArgument` naming ``what`` unless ``tensor`` has the model's
     dtype ``want`` and fits its ``shape`` (symbolic dims match any size; None: unknown)."""
     if want is not None and tensor.dtype != want:
         raise InvalidArgument(f"{what} has dtype {tensor.dtype}, the model expects {want}")

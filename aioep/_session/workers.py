@@ -15,7 +15,7 @@ _T = TypeVar("_T")
 
 
 class Workers:
-    """A thread pool started on first use; cancelling :meth:`call` abandons only the wait,
+    """A thread pool started on first use; cancelling `call` abandons only the wait,
     the call still runs its course."""
 
     __slots__ = ("_executor",)

@@ -1,8 +1,8 @@
 """Streams and notifications, and how a waiting task is woken.
 
-``stream`` (:class:`~aioep.SyncStream`), ``notification`` (:class:`~aioep.Notification`),
+``stream`` (`SyncStream`), ``notification`` (`Notification`),
 ``stream_impl`` (what a backend implements: ORT's ``OrtSyncStreamImpl`` and
-``OrtSyncNotificationImpl``, and :class:`~aioep.abc.ThreadStream`), ``wake`` (the one
+``OrtSyncNotificationImpl``, and `ThreadStream`), ``wake`` (the one
 event-loop-specific piece: wake a task from any thread) and ``routes`` (which data transfer
 copies between two memory devices, cached per stream).
 

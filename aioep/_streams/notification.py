@@ -20,10 +20,10 @@ __all__ = ["Notification"]
 class Notification:
     """A point in a stream's order that can be awaited on the host or waited on by another stream.
 
-    Get one from :meth:`SyncStream.record` or :attr:`CopyFuture.notification`.
-    ``await notification`` waits without blocking the event loop; cancelling
-    that await abandons the wait, never the device work, which still runs its
-    course. ``wait(timeout)`` is the blocking form for synchronous code.
+    Get one from [`SyncStream.record`][aioep.SyncStream.record] or
+    [`CopyFuture.notification`][aioep.CopyFuture.notification]. ``await notification`` waits without
+    blocking the event loop; cancelling that await abandons the wait, never the device work, which
+    still runs its course. ``wait(timeout)`` is the blocking form for synchronous code.
     """
 
     __slots__ = ("__weakref__", "_impl", "_stream", "_sync_table")
@@ -119,8 +119,8 @@ class Notification:
 def device_error(err: BaseException, what: str) -> DeviceError:
     """The one translation of a failure a backend reported for device work.
 
-    Returns a new :class:`DeviceError` (never ``err`` itself) with the backend's
-    message and, when the backend raised an :class:`EpError`, its code; its
+    Returns a new `DeviceError` (never ``err`` itself) with the backend's
+    message and, when the backend raised an `EpError`, its code; its
     ``__cause__`` is ``err``. The locals of the failed work's finished frames in
     ``err``'s traceback are cleared (file and line stay), so the error does not
     keep that work's tensors alive.

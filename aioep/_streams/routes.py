@@ -21,7 +21,7 @@ class RouteCache:
     """Routing decisions for one stream (or for un-streamed copies): (source device,
     destination device) -> the (library name, transfer) that copies between them.
 
-    Valid while the environment's transfer list is unchanged; :meth:`table`
+    Valid while the environment's transfer list is unchanged; `table`
     compares it with the list it was filled from and starts afresh when it
     differs (a library registered or removed). Only successes are cached, so
     every error is raised again with its full message. This relies on

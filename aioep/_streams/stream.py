@@ -83,7 +83,7 @@ class SyncStream(AsyncResource):
 
     @property
     def closed(self) -> bool:
-        """True after :meth:`aclose`."""
+        """True after [`aclose`][aioep.SyncStream.aclose]."""
         return self._closed
 
     def _check_open(self) -> None:
@@ -151,7 +151,7 @@ class SyncStream(AsyncResource):
     async def synchronize(self) -> None:
         """Wait on the host, without blocking the loop, for all work enqueued so far.
 
-        Raises :class:`DeviceError` if work since the last recorded point failed.
+        Raises [`DeviceError`][aioep.DeviceError] if work since the last recorded point failed.
         """
         self._check_open()
         await self.record()
@@ -178,7 +178,7 @@ class SyncStream(AsyncResource):
             self._release()
 
     def close(self) -> None:
-        """Blocking form of :meth:`aclose`, for synchronous code."""
+        """Blocking form of [`aclose`][aioep.SyncStream.aclose], for synchronous code."""
         if self._closed:
             return
         try:

@@ -1,11 +1,11 @@
 """What a backend implements for streams and notifications (ORT's ``OrtSyncStreamImpl`` and
-``OrtSyncNotificationImpl``), plus :class:`ThreadStream`, a ready implementation whose
+``OrtSyncNotificationImpl``), plus `ThreadStream`, a ready implementation whose
 device work runs in order on one worker thread.
 
 The contract is small. A backend stream enqueues work (its data transfer does
 that) and makes notifications; a notification marks a point in its stream's
 order, can make another stream wait for that point on the device, and reports
-completion from any thread through :meth:`NotificationImpl.add_done_callback`.
+completion from any thread through `NotificationImpl.add_done_callback`.
 The core turns those callbacks into wake-ups on the right event loop.
 """
 
@@ -50,7 +50,8 @@ class NotificationImpl(abc.ABC):
     def wait_on_device(self, stream: StreamImpl) -> None:
         """Make work enqueued later on ``stream`` wait for this point, without blocking the host.
 
-        Raise :class:`NotImplementedByEp` if ``stream`` is of a kind this cannot order.
+        Raise [`NotImplementedByEp`][aioep.NotImplementedByEp] if ``stream`` is of a kind this
+        cannot order.
         """
 
     @abc.abstractmethod
@@ -65,7 +66,7 @@ class NotificationImpl(abc.ABC):
         """Call ``fn()`` once, from any thread, when complete (at once if already complete).
 
         Return False if this notification cannot call back; the core then polls
-        :meth:`query` with backoff.
+        [`query`][aioep.abc.NotificationImpl.query] with backoff.
         """
         return False
 
@@ -195,9 +196,10 @@ def _lane_of(stream: StreamImpl) -> ErrorLane | None:
 
 
 class HostNotification(NotificationImpl):
-    """A notification completed by host code: :meth:`set` from any thread.
+    """A notification completed by host code: [`set`][aioep.abc.HostNotification.set] from any
+    thread.
 
-    Used by :class:`ThreadStream` (its worker sets it when it reaches the mark)
+    Used by [`ThreadStream`][aioep.abc.ThreadStream] (its worker sets it when it reaches the mark)
     and by the core for copies that run without a stream.
     """
 
@@ -243,7 +245,7 @@ class HostNotification(NotificationImpl):
         """Mark complete (with the failure of the work before it, if any) and run callbacks.
 
         Returns False, doing nothing, when ``generation`` names a mark that a later
-        :meth:`activate` superseded.
+        `activate` superseded.
         """
         callbacks = self._mark(error, generation)
         if callbacks is None:

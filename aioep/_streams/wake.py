@@ -1,7 +1,7 @@
 """The one event-loop-specific piece: wake a waiting task from any thread.
 
 A backend signals completion from its own thread (a stream worker, a driver
-callback). :func:`wait_for` registers a thread-safe callback that schedules the
+callback). `wait_for` registers a thread-safe callback that schedules the
 waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on
 asyncio, the run's ``TrioToken`` on trio. No thread is parked per waiter and
 nothing spins; cancelling the wait abandons it and leaves the device work alone.

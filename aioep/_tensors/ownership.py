@@ -1,19 +1,19 @@
 """Who owns a buffer's memory, and the check that keeps an environment to its own.
 
 Every allocator an environment makes (a library's default and shared allocators,
-arenas over them) carries an :class:`Origin`: the environment's :class:`Scope` and
+arenas over them) carries an `Origin`: the environment's `Scope` and
 the library registration that made it. A buffer's owner is its allocator's origin.
-``copy_tensors``, sessions and IOBinding call :func:`check_owner` on each tensor:
+``copy_tensors``, sessions and IOBinding call `check_owner` on each tensor:
 
 - memory the host can address (RAM, pinned) is accepted from anywhere: it stays
   valid and readable while the buffer lives, whoever allocated it;
 - device memory of this environment is accepted;
-- device memory with no origin is *producer-owned* (:data:`FOREIGN`): a buffer
+- device memory with no origin is *producer-owned* (`FOREIGN`): a buffer
   made by hand over memory that another framework owns (DLPack,
   ``__cuda_array_interface__``, a user's own allocator). aioep never frees it and
   any environment whose backends can route that memory device may use it;
-- device memory of another environment is refused with :class:`InvalidArgument`
-  naming the owner, or with :class:`ClosedError` once that environment closed.
+- device memory of another environment is refused with `InvalidArgument`
+  naming the owner, or with `ClosedError` once that environment closed.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ origin is FOREIGN, so every environment whose transfers route that memory device
 
 
 def origin_of(buffer: Buffer) -> Origin | _Foreign:
-    """The origin of ``buffer``: its allocator's, or :data:`FOREIGN`."""
+    """The origin of ``buffer``: its allocator's, or `FOREIGN`."""
     allocator = buffer.allocator
     origin = None if allocator is None else getattr(allocator, "_origin", None)
     return FOREIGN if origin is None else origin

@@ -39,8 +39,8 @@ class Buffer:
     """A block of memory on one device: ``ptr`` (device address), ``nbytes`` and ``memory_info``.
 
     A buffer from an allocator goes back to it when the last reference is dropped
-    (or on :meth:`free`). While a copy is using it, it is pinned and :meth:`free`
-    raises :class:`InUseError`.
+    (or on [`free`][aioep.Buffer.free]). While a copy is using it, it is pinned and
+    [`free`][aioep.Buffer.free] raises [`InUseError`][aioep.InUseError].
     """
 
     __slots__ = (
@@ -121,7 +121,8 @@ class Buffer:
 
     @property
     def freed(self) -> bool:
-        """True once the memory went back to its allocator (or :meth:`free` was called)."""
+        """True once the memory went back to its allocator (or [`free`][aioep.Buffer.free] was
+        called)."""
         return self._released or (self._finalizer is not None and not self._finalizer.alive)
 
     def free(self) -> None:
@@ -143,7 +144,7 @@ class Buffer:
 
     @property
     def pending_work(self) -> Any:
-        """The :class:`~aioep.Notification` of the last copy that used this buffer while it
+        """The [`Notification`][aioep.Notification] of the last copy that used this buffer while it
         is not complete, else None: what a DLPack consumer's stream must wait for."""
         work = getattr(self, "_last_use", None)  # unset on buffers built without __init__
         if work is None or work.done():
@@ -186,11 +187,11 @@ class _ArrayInterface:
 
 
 class Tensor:
-    """An n-dimensional, C-contiguous array of one dtype over a :class:`Buffer`.
+    """An n-dimensional, C-contiguous array of one dtype over a [`Buffer`][aioep.Buffer].
 
-    Tensors in host-accessible memory give a zero-copy :meth:`numpy` view and
+    Tensors in host-accessible memory give a zero-copy [`numpy`][aioep.Tensor.numpy] view and
     DLPack export; tensors in device memory move only by
-    :func:`aioep.copy_tensors`.
+    [`aioep.copy_tensors`][aioep.copy_tensors].
     """
 
     __slots__ = ("__weakref__", "_nbytes", "_size", "buffer", "byte_offset", "dtype", "shape")
@@ -266,7 +267,7 @@ class Tensor:
     @classmethod
     def _of_objects(cls, array: npt.NDArray[Any]) -> Tensor:
         """A host-only, read-only tensor over an array of Python objects (an ONNX string
-        tensor from or for onnxruntime). :meth:`numpy` gives the array back; no copy ever
+        tensor from or for onnxruntime). `numpy` gives the array back; no copy ever
         moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array).reshape(array.shape)
@@ -519,7 +520,7 @@ class ImportedBuffer(Buffer):
     by aioep.
 
     ``producer`` is the object it came from; the buffer keeps it alive, and a release
-    callback (the DLPack deleter) runs when the buffer dies. :meth:`free` hands the memory
+    callback (the DLPack deleter) runs when the buffer dies. `free` hands the memory
     back to the producer early (never while a copy uses it).
     """
 

@@ -1,6 +1,6 @@
 """``aioep_env``'s fixtures for tests that pytest-asyncio runs, one per event-loop scope.
 
-:mod:`aioep.pytest_plugin` registers this module only when pytest-asyncio is active, and
+`aioep.pytest_plugin` registers this module only when pytest-asyncio is active, and
 ``aioep_env`` picks the fixture whose ``loop_scope`` is the test's, so the environment
 opens and closes on the very loop that runs the test (pytest-asyncio then carries the
 context variable that makes it current into the test). Each is function-scoped: one

@@ -13,10 +13,10 @@ Per device pair (``host->host``, ``host->sim:0``, ``sim:0->host`` ...) it measur
 It runs under asyncio (the baselines are asyncio's). The numbers are for
 comparing on one machine in one run; they are not a benchmark suite.
 
-Every series of timings (aioep's and each baseline's) is a :class:`pyperf.Benchmark`:
+Every series of timings (aioep's and each baseline's) is a `pyperf.Benchmark`:
 pyperf computes the statistics (best value, median), and ``--pyperf FILE.json``
 writes them all as a pyperf suite for ``python -m pyperf stats|hist|compare_to``.
-pyperf's own :class:`pyperf.Runner` does not fit: it measures one function per
+pyperf's own `pyperf.Runner` does not fit: it measures one function per
 worker *process* and parses the command line itself, while ``bench`` must time
 awaits on devices that one process's environment opened, and print aioep and its
 baseline side by side from one run.
@@ -326,7 +326,8 @@ async def run_bench(
             default: the first device of each EP.
         quick: two sizes and few repetitions (a smoke test, a second or two).
         sizes: transfer sizes in bytes (default: 4 KiB to 64 MiB).
-        backend_options: passed to :class:`Environment`, e.g. ``{"sim": {"bandwidth_gbps": 8}}``.
+        backend_options: passed to [`Environment`][aioep.Environment], e.g. ``{"sim":
+            {"bandwidth_gbps": 8}}``.
 
     Raises:
         ModuleNotFoundError: pyperf is not installed (``pip install "aioep[bench]"``).

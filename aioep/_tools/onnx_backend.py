@@ -2,16 +2,16 @@
 
 ONNX defines a small synchronous interface (``prepare``, ``run_model``, ``run_node``,
 ``supports_device``) and a conformance runner built on it,
-``onnx.backend.test.BackendTest``. :class:`AioepBackend` implements that interface
-with :class:`~aioep.Session` objects, so the runner tests aioep exactly as it tests
+``onnx.backend.test.BackendTest``. `AioepBackend` implements that interface
+with `Session` objects, so the runner tests aioep exactly as it tests
 onnxruntime. The interface is blocking: each call runs aioep's async API to
 completion on a short-lived event loop in the calling thread, which is right for a
 test runner and wrong for a server (use ``await env.create_session(...)`` and
 ``await session.run(...)`` there). Calling it from inside a running event loop is
 refused.
 
-Each backend class owns one :class:`~aioep.Environment`, opened on first use and
-closed by :meth:`AioepBackend.close` (or at interpreter exit).
+Each backend class owns one `Environment`, opened on first use and
+closed by `AioepBackend.close` (or at interpreter exit).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = ["AioepBackend", "AioepBackendRep", "DeviceChoice"]
 
 DeviceChoice = Sequence[str] | Callable[[Environment], Sequence[EpDevice]] | None
 """Which EP devices a session gets: EP names (every device of each, in that order), a
-function of the environment that returns :class:`~aioep.EpDevice` objects, or None for
+function of the environment that returns `EpDevice` objects, or None for
 none (the CPU fallback runs everything)."""
 
 SIM_EP_NAME = "SimExecutionProvider"
@@ -139,10 +139,10 @@ class AioepBackendRep(BackendRep):
 class AioepBackend(Backend):
     """``onnx.backend.base.Backend`` over aioep sessions.
 
-    Configure a backend with :meth:`configure`; the class itself uses the sim device
-    where the sim backend is installed, else only the CPU fallback. ``device`` (ONNX's
-    device string) must be ``"CPU"``: the EP devices come from the configuration, with
-    onnxruntime's CPU EP running what they do not claim.
+    Configure a backend with [`configure`][aioep.onnx_backend.AioepBackend.configure]; the class
+    itself uses the sim device where the sim backend is installed, else only the CPU fallback.
+    ``device`` (ONNX's device string) must be ``"CPU"``: the EP devices come from the configuration,
+    with onnxruntime's CPU EP running what they do not claim.
     """
 
     ep_devices: ClassVar[DeviceChoice | str] = "default"
@@ -173,9 +173,9 @@ class AioepBackend(Backend):
             ep_devices: EP names, a function of the environment returning EP devices,
                 None for the CPU fallback only, or ``"default"`` (the sim device where
                 installed).
-            environment_options: keyword arguments for :class:`~aioep.Environment`
+            environment_options: keyword arguments for [`Environment`][aioep.Environment]
                 (default: only the sim backend is loaded).
-            session_options: ``options`` for :meth:`~aioep.Environment.create_session`.
+            session_options: ``options`` for [`create_session`][aioep.Environment.create_session].
         """
         if isinstance(ep_devices, str) and ep_devices != "default":
             raise InvalidArgument(
@@ -276,7 +276,7 @@ class AioepBackend(Backend):
     def prepare(cls, model: Any, device: str = "CPU", **kwargs: Any) -> AioepBackendRep:
         """Create a session for ``model`` (an ``onnx.ModelProto``, its bytes or a path).
 
-        ``ep_devices`` (a :data:`DeviceChoice`) overrides the configured devices for
+        ``ep_devices`` (a `DeviceChoice`) overrides the configured devices for
         this model; ONNX's runner may also pass ``rtol``/``atol``, which are ignored.
 
         Raises:

@@ -1,6 +1,11 @@
 """The ``pytest11`` entry point of aioep: a switch that stays inert until the plugin is enabled.
 
-It lives apart from :mod:`aioep.pytest_plugin` so that installing aioep never imports the
+While the plugin is off, the switch stands in for its fixtures: using ``aioep_env`` or
+``sim_device`` fails with how to enable the plugin, not with pytest's bare "fixture
+'aioep_env' not found". The stand-ins live here, so the fixtures module stays unimported;
+they run only when a test asks for them, and a project's own fixture of that name wins.
+
+It lives apart from `aioep.pytest_plugin` so that installing aioep never imports the
 fixtures module into a test run that did not ask for it. ``pytest_plugins =
 ["aioep.pytest_plugin"]`` in a conftest then imports it fresh; pytest before 9.2 warned
 "Module already imported so cannot be rewritten" (an error under ``-W error``) when the
@@ -10,13 +15,17 @@ entry point had imported it first.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 __all__ = ["add_markers", "add_options", "entry_point", "ini"]
 
 PLUGIN_MODULE = "aioep.pytest_plugin"
+HOW_TO_ENABLE = (
+    "run pytest --aioep, or set aioep = true under [tool.pytest.ini_options] (pytest.ini: "
+    '[pytest]), or add pytest_plugins = ["aioep.pytest_plugin"] to your root conftest.py'
+)
 _MARKERS = (
     "aioep_backends(*names, options=None): backends (and their options) for the aioep_env fixture",
     "aioep_gpu: needs an NVIDIA GPU that cuInit finds; skipped without one",
@@ -68,6 +77,27 @@ def ini(config: pytest.Config, name: str, default: Any) -> Any:
         return default
 
 
+def _plugin_off(fixture: str) -> NoReturn:
+    pytest.fail(
+        f"fixture {fixture!r} is aioep's pytest plugin's, which is off: {HOW_TO_ENABLE}",
+        pytrace=False,
+    )
+
+
+class _FixturesWhileOff:
+    """Registered in place of the plugin's fixtures while it is off."""
+
+    @pytest.fixture
+    def aioep_env(self) -> NoReturn:
+        """aioep's pytest plugin is off: enable it with ``--aioep`` (see its guide)."""
+        _plugin_off("aioep_env")
+
+    @pytest.fixture
+    def sim_device(self) -> NoReturn:
+        """aioep's pytest plugin is off: enable it with ``--aioep`` (see its guide)."""
+        _plugin_off("sim_device")
+
+
 class _EntryPoint:
     """The ``pytest11`` entry point: adds the options and enables the plugin on request."""
 
@@ -78,8 +108,13 @@ class _EntryPoint:
     def pytest_configure(self, config: pytest.Config) -> None:
         add_markers(config)
         enabled = bool(config.getoption("aioep", False)) or bool(ini(config, "aioep", False))
-        if enabled and not config.pluginmanager.has_plugin(PLUGIN_MODULE):
-            config.pluginmanager.register(importlib.import_module(PLUGIN_MODULE), PLUGIN_MODULE)
+        pm = config.pluginmanager
+        if pm.has_plugin(PLUGIN_MODULE):  # loaded with -p or a conftest's pytest_plugins
+            return
+        if enabled:
+            pm.register(importlib.import_module(PLUGIN_MODULE), PLUGIN_MODULE)
+        else:
+            pm.register(_FixturesWhileOff(), "aioep-fixtures-while-off")
 
 
 entry_point = _EntryPoint()

@@ -1,7 +1,7 @@
 """``aioep_env``'s machinery: open the environment a test asks for, check what it leaked.
 
-Shared by :mod:`aioep.pytest_plugin` (anyio and synchronous tests) and
-:mod:`aioep._tools.asyncio_fixtures` (pytest-asyncio), so that neither imports the other.
+Shared by `aioep.pytest_plugin` (anyio and synchronous tests) and
+`aioep._tools.asyncio_fixtures` (pytest-asyncio), so that neither imports the other.
 """
 
 from __future__ import annotations

@@ -8,16 +8,16 @@ the system C compiler into a cache folder under the temporary directory, and:
   the driver: cuda-pathfinder takes a ``libcuda.so.1`` that is already loaded, and so
   does aioep_cuda's own ``ctypes.CDLL("libcuda.so.1")``;
 * in a child process (``python -m aioep check-gpu --emulator``, the benchmark), found
-  through ``LD_LIBRARY_PATH`` (:func:`child_env`).
+  through ``LD_LIBRARY_PATH`` (`child_env`).
 
-:func:`select_driver` decides, once per process: the real driver when ``cuInit`` finds a
+`select_driver` decides, once per process: the real driver when ``cuInit`` finds a
 GPU there (probed in a child process, so this one stays clean), else the emulator when a
 C compiler exists, else nothing (the GPU tests skip with the reason).
 ``AIOEP_CUDA_EMULATOR=1`` forces the emulator (useful on a GPU machine, to test the
 emulator itself), ``AIOEP_CUDA_EMULATOR=0`` forbids it.
 
 In the test process the emulator offers **no device** until a test asks for one
-(:meth:`Emulator.devices`), so the rest of the suite sees a driver without a GPU, as on a
+(`Emulator.devices`), so the rest of the suite sees a driver without a GPU, as on a
 machine without one, and nothing else changes behaviour.
 """
 
@@ -199,7 +199,7 @@ class Emulator:
             raise RuntimeError("emulator: too many event-loop threads marked")
 
     def unmark_loop_thread(self, tid: int | None = None) -> bool:
-        """Undo :meth:`mark_loop_thread`; whether the thread was marked."""
+        """Undo `mark_loop_thread`; whether the thread was marked."""
         tid = threading.get_native_id() if tid is None else tid
         return bool(self.lib.cuemu_unmark_loop_thread(tid))
 

@@ -135,6 +135,55 @@ def test_the_diagrams_of_a_built_page_are_counted() -> None:
     assert docs_check.expected_diagrams('<pre class="highlight"><code>') == 0
 
 
+# -- raw reStructuredText roles, in the built HTML (no browser needed) -------------------------
+
+# What mkdocstrings makes of a docstring holding a class role around "Buffer" (a reST role, as
+# ROLE_IN_DOCSTRING's text shows): Markdown turns the backquoted target into a code span and
+# the role's name stays as text.
+ROLE_IN_DOCSTRING = "<p>Returns a :class:<code>Buffer</code> of the memory.</p>"
+
+
+@pytest.mark.parametrize(
+    ("html", "role"),
+    [
+        (ROLE_IN_DOCSTRING, ":class:`Buffer`"),
+        (
+            "<p>See :meth:<code>~aioep.Environment.open</code>.</p>",
+            ":meth:`~aioep.Environment.open`",
+        ),
+        ("<pre><code>:py:func:`copy_tensors`</code></pre>", ":py:func:`copy_tensors`"),
+        ("<td>:exc:<code>InvalidArgument</code></td>", ":exc:`InvalidArgument`"),
+    ],
+)
+def test_a_raw_role_in_a_page_is_a_problem_naming_page_line_and_role(html: str, role: str) -> None:
+    (problem,) = docs_check.raw_roles("reference/aioep/index.html", "<html>\n" + html)
+    assert problem.startswith("reference/aioep/index.html:2: raw reStructuredText role ")
+    assert role in problem, problem
+
+
+def test_cross_references_and_code_are_not_raw_roles() -> None:
+    html = (
+        '<p>Returns a <a class="autorefs" href="#aioep.Buffer"><code>Buffer</code></a>;'
+        " the time is 12:30:<code>x</code>, a dict is {<code>'a:b'</code>: 1}.</p>"
+    )
+    assert docs_check.raw_roles("a/index.html", html) == []
+
+
+def test_the_check_fails_on_a_raw_role_even_without_chromium(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CHROMIUM", str(tmp_path / "no-such-chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    site = tmp_path / "site"
+    (site / "reference").mkdir(parents=True)
+    (site / "index.html").write_text("<html><body><p>fine</p></body></html>")
+    assert docs_check.main([str(site)]) == 0, capsys.readouterr().err
+    (site / "reference" / "index.html").write_text(f"<html><body>{ROLE_IN_DOCSTRING}</body></html>")
+    assert docs_check.main([str(site)]) == 1
+    err = capsys.readouterr().err
+    assert "reference/index.html:1: raw reStructuredText role :class:`Buffer`" in err, err
+
+
 # -- end to end, in headless Chromium ----------------------------------------------------------
 
 needs_chromium = pytest.mark.skipif(

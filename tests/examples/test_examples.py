@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import re
 import signal
@@ -43,6 +44,15 @@ def test_quickstart_round_trip_is_bit_exact() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "SimExecutionProvider" in proc.stdout
     assert "round trips are bit-exact" in proc.stdout
+    # Each device once, told apart by its id (the sim offers two alike but for it).
+    listing = proc.stdout.split("EP devices:\n", 1)[1].splitlines()
+    devices = list(itertools.takewhile(lambda line: line.startswith("  "), listing))
+    assert devices, proc.stdout
+    assert len(set(devices)) == len(devices), devices
+    ids = [re.search(r" id (\d+) ", line) for line in devices]
+    assert all(ids), devices
+    sim = [m.group(1) for m, line in zip(ids, devices) if m and "SimExecutionProvider" in line]
+    assert sim == sorted(set(sim), key=int), devices
 
 
 @needs_sim

@@ -285,7 +285,7 @@ def _assert_similar(
 
 
 class _Runner(onnx_runner.Runner):
-    """ONNX's runner; the comparison is :func:`_assert_similar`."""
+    """ONNX's runner; the comparison is `_assert_similar`."""
 
     @classmethod
     def assert_similar_outputs(

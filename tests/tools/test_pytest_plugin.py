@@ -73,14 +73,54 @@ def test_off_by_default(pytester: pytest.Pytester) -> None:
         def test_uses_env(aioep_env):
             pass
 
+        def test_uses_sim_device(sim_device):
+            pass
+
         @pytest.mark.aioep_gpu
         def test_gpu_marker_is_inert():
             pass
         """
     )
     result = pytester.runpytest(*ANYIO_ONLY, "--strict-markers")
+    result.assert_outcomes(passed=1, errors=2)
+    # The error says how to turn the plugin on, not just that the fixture is missing.
+    for fixture in ("aioep_env", "sim_device"):
+        result.stdout.fnmatch_lines(
+            [f"*fixture '{fixture}' is aioep's pytest plugin's, which is off: run pytest --aioep*"]
+        )
+    assert "not found" not in result.stdout.str()
+
+
+def test_off_a_projects_own_fixture_of_that_name_wins(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture
+        def aioep_env():
+            return "mine"
+        """
+    )
+    pytester.makepyfile("def test_mine(aioep_env):\n    assert aioep_env == 'mine'\n")
+    result = pytester.runpytest(*ANYIO_ONLY)
+    result.assert_outcomes(passed=1)
+
+
+def test_off_the_stand_ins_leave_the_plugin_module_unimported(pytester: pytest.Pytester) -> None:
+    # Not even a test that asks for a stand-in imports the fixtures module (or its hooks).
+    pytester.makepyfile(
+        """
+        import sys
+
+        def test_asks(aioep_env):
+            pass
+
+        def test_untouched():
+            assert "aioep.pytest_plugin" not in sys.modules
+        """
+    )
+    result = pytester.runpytest_subprocess(*ANYIO_ONLY, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*fixture 'aioep_env' not found*"])
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """aioep's CUDA backend: NVIDIA GPUs through the CUDA driver API (``cuda.bindings.driver``).
 
-Entry point ``cuda`` in the group ``aioep.backends`` names :class:`CudaFactory`
+Entry point ``cuda`` in the group ``aioep.backends`` names `CudaFactory`
 (EP ``"CUDAExecutionProvider"``). Importing this package never touches the
 driver: a machine without a GPU or driver gets a factory that offers no
 device and says why (``Environment.load_errors["cuda"]``).

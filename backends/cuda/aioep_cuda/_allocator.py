@@ -3,7 +3,7 @@ and pinned host memory (the device's pinned pool over ``cuMemHostAlloc``).
 
 Nothing here makes a call that synchronises the device or context while an environment
 runs: stream-ordered memory is freed with ``cuMemFreeAsync``; ``cuMemAlloc`` and
-``cuMemHostAlloc`` blocks go back to caching pools (:mod:`._pool`) and reach the driver's
+``cuMemHostAlloc`` blocks go back to caching pools (`._pool`) and reach the driver's
 synchronising frees only at the last close, off the event loop.
 """
 

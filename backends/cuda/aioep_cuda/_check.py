@@ -19,7 +19,9 @@ It runs, each in a child process (this process never loads the driver):
 4. a DLPack exchange with CuPy and PyTorch where they are installed (zero-copy, values).
 
 Everything runs within ``--budget`` seconds (default 480: one 10-minute GPU call with
-room to spare); what the budget did not reach is reported as not run. The summary judges
+room to spare); what the budget did not reach is reported as not run, and why (a test file
+that cannot be imported stops pytest before any test). The console shows each test file
+and benchmark step as it starts, and a line every 30 s while one runs long. The summary judges
 each figure against its target, says why for each figure and each test, and is ``ok``
 only when every test passed or skipped and every figure was measured and met.
 ``--emulator`` runs the same steps on the emulated driver of the checkout's
@@ -33,6 +35,7 @@ checkout to take the tests from.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -325,11 +328,18 @@ def _emulator_module(checkout: Path) -> Any:
 
 
 def _run(
-    cmd: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    timeout: float,
+    poll: Callable[[], None] | None = None,
 ) -> tuple[int, str, float]:
-    """Run a child; (exit status, the tail of its output, seconds). 124 on a timeout."""
+    """Run a child; (exit status, the tail of its output, seconds). 124 on a timeout.
+    ``poll`` is called about once a second while it runs (to report progress)."""
     t0 = time.perf_counter()
     timeout = max(timeout, 1.0)
+    if poll is not None:
+        return _run_polled(cmd, env, cwd, timeout, poll)
     try:
         done = subprocess.run(
             list(cmd),
@@ -344,6 +354,39 @@ def _run(
         out = exc.stdout if isinstance(exc.stdout, str) else ""
         return 124, (out or "")[-4000:] + f"\n(timed out after {timeout:g} s)", timeout
     return done.returncode, (done.stdout + done.stderr)[-4000:], time.perf_counter() - t0
+
+
+def _run_polled(
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    timeout: float,
+    poll: Callable[[], None],
+) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    proc = subprocess.Popen(
+        list(cmd),
+        env=dict(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=max(min(left, 1.0), 0.01))
+            break
+        except subprocess.TimeoutExpired:  # retrying communicate() loses no output
+            poll()
+            if left <= 1.0:
+                proc.kill()
+                out, err = proc.communicate()
+                tail = (out or "")[-4000:] + f"\n(timed out after {timeout:g} s)"
+                return 124, tail, timeout
+    poll()
+    return proc.returncode, (out + err)[-4000:], time.perf_counter() - t0
 
 
 def _signal_name(rc: int) -> str:
@@ -388,6 +431,16 @@ def pytest_collection_finish(session):
     _emit(event="collected", nodeids=[item.nodeid for item in session.items])
 
 
+def pytest_collectreport(report):
+    # A test file that cannot be imported (a missing test dependency, say) stops the run
+    # before any test: say which and why, its exception's last line.
+    if report.failed:
+        lines = [l for l in _text(report).splitlines() if l.strip()]
+        errors = [l[1:].strip() for l in lines if l.startswith("E ")]
+        _emit(event="collect_error", nodeid=report.nodeid,
+              message=(errors or lines or ["?"])[-1][:500])
+
+
 def pytest_runtest_logstart(nodeid, location):
     os.ftruncate(_STACKS, 0)
     os.lseek(_STACKS, 0, os.SEEK_SET)
@@ -427,6 +480,7 @@ class _Child:
 
     def __init__(self) -> None:
         self.collected: list[str] = []
+        self.collect_errors: dict[str, str] = {}
         self.done: dict[str, dict[str, Any]] = {}
         self.running: str | None = None
         self.rc = 0
@@ -446,7 +500,11 @@ def _pytest_child(
     test_timeout: float,
     timeout: float,
     pytest_args: Sequence[str],
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> _Child:
+    """Run pytest on ``args`` in a child with check-gpu's plugin; ``on_record`` sees each
+    record of its log (collected, start, done ...) while it runs, and a ``poll`` record
+    about once a second."""
     n = len(list(scratch.glob("log-*.jsonl")))
     log = scratch / f"log-{n}.jsonl"
     stacks = scratch / f"stacks-{n}.txt"
@@ -465,14 +523,33 @@ def _pytest_child(
     cmd += ["-p", "aioep_check_plugin", *pytest_args, *args]
     result = _Child()
     result.test_timeout = test_timeout
-    result.rc, result.output, result.seconds = _run(cmd, child_env, cwd, timeout)
+    poll = None
+    if on_record is not None:
+        seen = 0  # the log's complete lines already handed to on_record
+
+        def poll() -> None:
+            nonlocal seen
+            if not log.is_file():
+                return
+            lines = log.read_text().split("\n")[:-1]  # the last line may be half written
+            for line in lines[seen:]:
+                try:
+                    on_record(json.loads(line))
+                except ValueError:
+                    pass
+            seen = len(lines)
+            on_record({"event": "poll"})  # a second went by
+
+    result.rc, result.output, result.seconds = _run(cmd, child_env, cwd, timeout, poll)
     if log.is_file():
         for line in log.read_text().splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue  # a line cut short by the crash
-            if record["event"] == "collected":
+            if record["event"] == "collect_error":
+                result.collect_errors[record["nodeid"]] = record["message"]
+            elif record["event"] == "collected":
                 result.collected = list(record["nodeids"])
             elif record["event"] == "start":
                 result.running = record["nodeid"]
@@ -573,12 +650,23 @@ def _run_group(
             # It stopped between tests (at exit, say): starting it again on the same tests
             # would learn nothing new.
             why = f"the test process ended (status {child.rc}) before reaching it"
+            if child.collect_errors:
+                why = _collect_errors_text(child)
             for nodeid in remaining:
                 results[nodeid] = {"outcome": "not-run", "message": why}
             note["output_tail"] = child.output[-2000:]
             break
         pending = remaining
     return order, results, children
+
+
+def _collect_errors_text(child: _Child) -> str:
+    """Why a child stopped before its first test: the files it could not collect."""
+    errors = "; ".join(f"{path}: {msg}" for path, msg in child.collect_errors.items())
+    text = f"pytest stopped at {len(child.collect_errors)} collection error(s): {errors}"
+    if any("ModuleNotFoundError" in m for m in child.collect_errors.values()):
+        text += " (the CUDA tests need aioep's test extra: pip install -e '.[test]')"
+    return text
 
 
 _SEVERITY = ("pass", "skip", "not-run", "fail", "error", "hang", "crash")
@@ -609,16 +697,17 @@ def run_tests(
     ``isolate``: what runs again alone, each function in a process of its own:
     ``"crashed"`` (the first cases of each function that crashed or hung), ``"all"`` (every
     case of every function) or ``"none"``. ``max_deaths_per_function``: see
-    :func:`_run_group` (0: every case runs, whatever it costs).
+    `_run_group` (0: every case runs, whatever it costs).
     """
     started = time.monotonic()
     deadline = started + budget
     present = [f for f in files if (checkout / f).is_file()]
     missing = [f for f in files if f not in present]
+    progress = _Progress(log)
     with tempfile.TemporaryDirectory(prefix="aioep-check-tests-") as tmp:
         scratch = Path(tmp)
 
-        def run(args: Sequence[str], left: float) -> _Child:
+        def run(args: Sequence[str], left: float, *, report: bool = False) -> _Child:
             return _pytest_child(
                 args,
                 py=py,
@@ -628,13 +717,14 @@ def run_tests(
                 test_timeout=min(test_timeout, max(left - 5, 5)),
                 timeout=left,
                 pytest_args=pytest_args,
+                on_record=progress.record if report else None,
             )
 
         order, results, children = _run_group(
             present,
             deadline=deadline,
             max_children=60,
-            run=run,
+            run=functools.partial(run, report=True),
             max_deaths_per_function=max_deaths_per_function,
         )
         functions: dict[str, list[str]] = {}
@@ -665,15 +755,22 @@ def run_tests(
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     problems = [t for t in tests if t["outcome"] not in _GOOD]
+    # Why tests were not run, most common first: one line each, not one per test.
+    not_run: dict[str, int] = {}
+    for t in problems:
+        if t["outcome"] == "not-run":
+            reason = t.get("message") or "not reached"
+            not_run[reason] = not_run.get(reason, 0) + 1
     ok = bool(tests) and not problems and not missing and counts.get("pass", 0) > 0
     if ok:
         why = "every test passed or skipped"
     elif not tests:
         why = "no test ran: " + json.dumps(children)[-1500:]
     elif problems:
-        why = f"{len(problems)} of {len(tests)} tests did not pass: " + ", ".join(
-            f"{t['nodeid']} ({t['outcome']})" for t in problems[:20]
-        )
+        listed = [f"{t['nodeid']} ({t['outcome']})" for t in problems if t["outcome"] != "not-run"]
+        parts = [", ".join(listed[:20])] if listed else []
+        parts += [f"{n} not run: {reason}" for reason, n in not_run.items()]
+        why = f"{len(problems)} of {len(tests)} tests did not pass: " + "; ".join(parts)
     elif missing:
         why = f"test files missing from the checkout: {', '.join(missing)}"
     else:
@@ -707,10 +804,53 @@ def run_tests(
         f"{summary['skipped']} skipped, {summary['crashed']} crashed, {summary['hung']} hung, "
         f"{summary['not_run']} not run ({summary['seconds']} s, {len(children)} processes)"
     )
-    for t in problems[:30]:
+    for t in [t for t in problems if t["outcome"] != "not-run"][:30]:
         alone = t.get("isolated", {}).get("outcome")
         log(f"    {t['outcome']}: {t['nodeid']}" + (f" (alone: {alone})" if alone else ""))
+    for reason, n in sorted(not_run.items(), key=lambda kv: -kv[1]):
+        log(f"    {n} not run: {reason[:500]}")
+    if not tests and children:
+        log(f"    no test ran: {json.dumps(children[-1])[-500:]}")
     return summary
+
+
+class _Progress:
+    """Progress of the test run on the console: a line as each test file starts, and one
+    every ``every`` seconds while a file runs long (the soak tests, a slow GPU)."""
+
+    def __init__(self, log: Callable[[str], None], every: float = 30.0) -> None:
+        self.log = log
+        self.every = every
+        self.total = 0
+        self.done = 0
+        self.file = ""
+        self.current = ""
+        self.started = time.monotonic()
+        self.last = self.started
+
+    def record(self, record: dict[str, Any]) -> None:
+        if not self.file and not self.total:
+            self.started = self.last = time.monotonic()
+        now = time.monotonic()
+        event = record.get("event")
+        if event == "collected" and not self.total:
+            self.total = len(record.get("nodeids") or [])
+        elif event == "collect_error":
+            self.log(f"  cannot collect {record.get('nodeid')}: {record.get('message')}")
+        elif event == "start":
+            self.current = str(record.get("nodeid"))
+            file = self.current.split("::", 1)[0]
+            if file != self.file:
+                self.file = file
+                self._line(f"{file} ...", now)
+        elif event == "done":
+            self.done += 1
+        if now - self.last >= self.every and self.current:
+            self._line(f"still running: {self.current}", now)
+
+    def _line(self, text: str, now: float) -> None:
+        self.last = now
+        self.log(f"  [{self.done}/{self.total or '?'} tests, {now - self.started:.0f} s] {text}")
 
 
 _PROBE = r"""
@@ -807,11 +947,13 @@ def _benchmark(
     quick: bool,
     timeout: float,
     resumable: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run a benchmark that writes its JSON as it goes: what it wrote is kept even when it
     dies, with its exit status and output beside it. A ``resumable`` one that died in the
     middle of a step is started again with ``--resume`` (it skips what it did, and records
-    the step it died in as failed) while the time allows."""
+    the step it died in as failed) while the time allows. ``log`` hears each step it
+    starts (from the ``running`` key of its JSON, where it writes one)."""
     if timeout <= 1:
         return {"error": "not run: the time budget was spent"}
     deadline = time.monotonic() + timeout
@@ -822,11 +964,24 @@ def _benchmark(
     deaths_by_step: dict[str, str] = {}
     seconds = 0.0
     rc, text = 0, ""
+    step_seen: list[object] = [None]
+
+    def poll() -> None:
+        try:
+            step = json.loads(out.read_text()).get("running")
+        except (OSError, ValueError, AttributeError):
+            return  # not written yet, or half written
+        if step and step != step_seen[0] and log is not None:
+            log(f"  {Path(script).name}: {step} ...")
+        step_seen[0] = step
+
     for attempt in range(8):
         left = deadline - time.monotonic()
         if left <= 1:
             break
-        rc, text, took = _run([*cmd, *(["--resume"] if attempt else [])], env, checkout, left)
+        rc, text, took = _run(
+            [*cmd, *(["--resume"] if attempt else [])], env, checkout, left, poll if log else None
+        )
         seconds += took
         data = {}
         if out.is_file():
@@ -954,6 +1109,7 @@ def run_check(
                     quick=quick,
                     timeout=left * share,
                     resumable=key == "cuda_copy",
+                    log=log,
                 )
                 for name, error in (summary[key].get("errors") or {}).items():
                     log(f"  {name}: failed: {str(error).splitlines()[0][:200]}")

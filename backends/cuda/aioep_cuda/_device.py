@@ -1,5 +1,5 @@
-"""Per-GPU state: the process-wide :class:`SharedDevice` (retained primary context, event
-pool, caching memory pools, helper stream, gate words) and a factory's :class:`CudaDevice`."""
+"""Per-GPU state: the process-wide `SharedDevice` (retained primary context, event
+pool, caching memory pools, helper stream, gate words) and a factory's `CudaDevice`."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class EventPool:
 
     Creating an event is a driver call with a lock inside; a notification is made
     for every ``stream.record()``, so events are recycled (up to ``keep`` idle). The pool
-    knows every event it made: :meth:`close` (just before its context is released) destroys
-    them all, idle or still held, and marks the pool :attr:`dead`; an event given back after
+    knows every event it made: `close` (just before its context is released) destroys
+    them all, idle or still held, and marks the pool `dead`; an event given back after
     that is forgotten, never destroyed again, and a holder that asks about it learns that the
     device closed (no driver call touches a handle of a released context).
     """
@@ -207,8 +207,8 @@ class SharedDevice:
 
     def alloc_on_helper(self, nbytes: int) -> tuple[Any, Any]:
         """``cuMemAllocAsync`` on the helper stream: (CUresult, ptr). Nothing waits: if the
-        allocation is not done at once, :attr:`alloc_gen` moves on and every stream waits on
-        the device for the helper stream before it next uses memory (:meth:`fence`)."""
+        allocation is not done at once, `alloc_gen` moves on and every stream waits on
+        the device for the helper stream before it next uses memory (`fence`)."""
         drv = driver()
         helper = self.helper_stream()
         with self.lock, ctx_current(self.ctx):
@@ -255,10 +255,10 @@ class SharedDevice:
     # -- lifetime -----------------------------------------------------------------------------
     def destroy_stream(self, cu: Any) -> None:
         """``cuStreamDestroy`` after recording a tail event on it: the stream's queued work
-        still runs, and :meth:`release` waits for that event (not for the whole context).
+        still runs, and `release` waits for that event (not for the whole context).
 
         If no tail can be recorded (a broken context: every call fails), the stream is kept
-        and destroyed by :meth:`release` after ``cuStreamSynchronize``: a destroyed stream
+        and destroyed by `release` after ``cuStreamSynchronize``: a destroyed stream
         could not be waited for, and its queued work (a wait on a gate word that will never
         be written, say) may not have drained yet when the synchronising frees come."""
         drv = driver()
@@ -332,7 +332,7 @@ def _device_round(nbytes: int) -> int:
 
 
 def acquire_shared(ordinal: int, cu_device: Any) -> SharedDevice:
-    """The process's :class:`SharedDevice` of GPU ``ordinal`` (made on first use); one more user."""
+    """The process's `SharedDevice` of GPU ``ordinal`` (made on first use); one more user."""
     with _registry_lock:
         shared = _registry.get(ordinal)
         if shared is None:
@@ -377,7 +377,7 @@ def release_idle_devices() -> int:
 
 class CudaDevice:
     """One GPU as one factory sees it: ordinal, ``CUdevice``, memory infos, its own helper
-    streams; the context and pools are the process's :class:`SharedDevice`."""
+    streams; the context and pools are the process's `SharedDevice`."""
 
     def __init__(self, ordinal: int, *, pinned_pool_limit: int = -1) -> None:
         drv = driver()
@@ -436,7 +436,7 @@ class CudaDevice:
 
     @property
     def hardware(self) -> HardwareDevice:
-        """This GPU as an :class:`aioep.HardwareDevice` (name, UUID, PCI bus id in metadata)."""
+        """This GPU as an `aioep.HardwareDevice` (name, UUID, PCI bus id in metadata)."""
         return HardwareDevice(
             DeviceType.GPU,
             NVIDIA_VENDOR_ID,
@@ -489,7 +489,7 @@ class CudaDevice:
         return pair
 
     def gate_slot(self) -> int:
-        """A device address of a 4-byte gate word (see :meth:`SharedDevice.gate_slot`)."""
+        """A device address of a 4-byte gate word (see `SharedDevice.gate_slot`)."""
         return self.shared.gate_slot()
 
     def release_gate_slot(self, addr: int) -> None:
@@ -514,7 +514,7 @@ class CudaDevice:
     def close(self) -> None:
         """Destroy this factory's streams (their queued work still runs), then leave the
         shared state; idempotent. Nothing here waits for the device except the shared
-        state's final release (off the loop, see :func:`leave_shared`)."""
+        state's final release (off the loop, see `leave_shared`)."""
         if self._released:
             return
         self._released = True

@@ -1,15 +1,15 @@
 """DLPack and CUDA Array Interface for CUDA memory: export (``Tensor.__dlpack__``) and
-import (a :class:`~aioep.abc.MemoryImporter`), built with ctypes (no compiled code).
+import (a `MemoryImporter`), built with ctypes (no compiled code).
 
 Export is registered with ``aioep.abc.register_dlpack_exporter`` under NVIDIA's vendor
 id, so ``torch.from_dlpack(t)`` / ``cupy.from_dlpack(t)`` take a CUDA tensor zero-copy;
 the capsule is a legacy ``"dltensor"`` one (DLPack 0.8 ABI, which every consumer
-accepts), built by :func:`aioep.abc.dlpack_capsule`.
+accepts), built by `aioep.abc.dlpack_capsule`.
 
 Import takes ``kDLCUDA`` and ``kDLCUDAHost`` DLPack tensors and CUDA Array Interfaces
 whose pointer the driver knows (``cuPointerGetAttribute``: device memory of one of our
 GPUs, or page-locked host memory). Streams follow the array API standard: a copy on a
-:class:`CudaStream` passes its handle to the producer; a copy without a stream passes
+`CudaStream` passes its handle to the producer; a copy without a stream passes
 None (the legacy default stream), and waits for that stream, or for a CUDA Array
 Interface's ``stream``, on an event recorded there.
 """

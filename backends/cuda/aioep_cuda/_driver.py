@@ -2,7 +2,7 @@
 
 ``cuda.bindings.driver`` is imported lazily, so ``import aioep_cuda`` works on a
 machine without cuda-bindings or without a driver. Every driver call goes
-through :func:`check`, which turns a ``CUresult`` into :class:`aioep.DeviceError`
+through `check`, which turns a ``CUresult`` into `aioep.DeviceError`
 (the translation boundary).
 """
 
@@ -72,7 +72,7 @@ def load_driver() -> Any:
 
 
 def driver() -> Any:
-    """The loaded ``cuda.bindings.driver`` module (after :func:`load_driver`)."""
+    """The loaded ``cuda.bindings.driver`` module (after `load_driver`)."""
     if _driver is None:
         return load_driver()
     return _driver
@@ -94,7 +94,7 @@ def error_name(err: Any) -> str:
 
 
 def check(result: Any, what: str) -> Any:
-    """Unpack a cuda-bindings result tuple: raise :class:`DeviceError` on failure.
+    """Unpack a cuda-bindings result tuple: raise `DeviceError` on failure.
 
     Returns None, the single value, or the tuple of values after the status.
     """

@@ -111,9 +111,9 @@ class CudaOptions:
 
     @classmethod
     def from_options(cls, options: FactoryOptions | None) -> CudaOptions:
-        """Validate ``options``; an unknown key or a bad value is an :class:`InvalidArgument`.
+        """Validate ``options``; an unknown key or a bad value is an `InvalidArgument`.
 
-        Values follow :mod:`aioep.abc`'s option rules: ``pool_release_threshold`` is an
+        Values follow `aioep.abc`'s option rules: ``pool_release_threshold`` is an
         int or an int string (decimal or ``0x`` hex, not a float).
         """
         reject_unknown_options(_OWNER, options, _KNOWN)

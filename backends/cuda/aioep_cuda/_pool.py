@@ -8,7 +8,7 @@ like PyTorch's caching host allocator, and are reused for later allocations of t
 class once the stream work that used them has completed (an event recorded on each of
 those streams, checked with ``cuEventQuery``: nothing waits). The driver gets the memory
 back only when the device's shared state is released at close, off the event loop, after
-every stream is idle (:meth:`CachingPool.release_all`).
+every stream is idle (`CachingPool.release_all`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def size_class(nbytes: int, *, coarse_above: int = 1 << 20, coarse: int = 1 << 2
 
 
 class Block:
-    """One block of a :class:`CachingPool`: ``ptr`` and its ``size`` (its size class).
+    """One block of a `CachingPool`: ``ptr`` and its ``size`` (its size class).
 
     While idle in the pool, ``events`` mark the stream work that last used it; the block
     is handed out again only once every one of them has completed.
@@ -63,8 +63,8 @@ class CachingPool:
     Args:
         shared: the device state whose context and event pool the blocks use.
         what: a name for messages (``"pinned"``).
-        allocate: ``allocate(size) -> ptr`` (raises :class:`DeviceError` on failure).
-        release: ``release(ptr)``: the synchronising free, called by :meth:`release_all` only.
+        allocate: ``allocate(size) -> ptr`` (raises `DeviceError` on failure).
+        release: ``release(ptr)``: the synchronising free, called by `release_all` only.
         limit: most bytes the pool holds (in use and idle together); -1: no limit.
         round: ``round(nbytes) -> size`` of the block that serves a request.
     """

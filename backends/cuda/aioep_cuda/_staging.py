@@ -2,7 +2,7 @@
 
 CUDA copies pageable host memory through the driver's own small staging buffer, on the
 calling thread: a 1 GiB upload ran at 9.3 GB/s on an H200, against 55 GB/s from pinned
-memory. A :class:`Stager` (one per device and environment, made on first use) moves
+memory. A `Stager` (one per device and environment, made on first use) moves
 pageable sources and destinations through a bounded set of pinned *chunks* taken from the
 device's pinned pool, with ``threads`` worker threads:
 
@@ -21,7 +21,7 @@ host copies and device copies overlap. The pieces of one batch run in any order 
 never overlap: the core validated the batch); batches are served in submission order.
 A batch is done when its last upload is enqueued and its last download has landed in
 host memory: its ``on_done`` runs then, on a worker (the transfer opens the caller's
-stream gate there, see :mod:`._transfer`), and its host memory is let go; it is
+stream gate there, see `._transfer`), and its host memory is let go; it is
 *released* once the device work enqueued up to then has completed. Staging memory is
 bounded: at most ``chunks`` chunks of ``chunk_bytes`` per device (rounded up to the pinned
 pool's size class), whatever the number of copies in flight (more copies queue for
@@ -30,7 +30,7 @@ chunks, in submission order).
 ``chunks=0`` turns staging off: each pair is one ``cuMemcpyAsync`` of the pageable memory
 issued by a worker (the driver's own staging, synchronous for the worker): the baseline.
 
-Nothing here blocks the event loop: :meth:`Stager.submit` appends to a queue.
+Nothing here blocks the event loop: `Stager.submit` appends to a queue.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ MIN_SLICE_BYTES = 1 << 20
 """A piece is split among the workers in slices of at least this size."""
 
 CLOSE_TIMEOUT = 60.0
-"""Seconds :meth:`Stager.close` waits for batches in flight before it abandons them."""
+"""Seconds `Stager.close` waits for batches in flight before it abandons them."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class StagedJob:
     and every download has landed (``job.error`` says whether it all went well); work
     the caller enqueues on ``stream`` there is ordered after the uploads (``stream`` is
     None if the staging streams could not be made: then nothing reached the device). ``keep`` (the
-    host memory the workers read or write) is let go right after; :attr:`released` is
+    host memory the workers read or write) is let go right after; `released` is
     set once the device work has completed too.
     """
 
@@ -212,7 +212,7 @@ class StagedJob:
         return self._pairs[i][0] if i < len(self._pairs) else None
 
     def pop(self) -> _Piece:
-        """The next piece to start (call only after :meth:`peek_kind` gave a kind)."""
+        """The next piece to start (call only after `peek_kind` gave a kind)."""
         if self.back:
             return self.back.popleft()
         i, off = self._cursor
@@ -298,7 +298,7 @@ class Stager:
         return job
 
     def close(self) -> None:
-        """Let the queued batches finish (bounded by :data:`CLOSE_TIMEOUT`), stop the workers,
+        """Let the queued batches finish (bounded by `CLOSE_TIMEOUT`), stop the workers,
         give the chunks back to the pinned pool (reused only after the staging streams'
         work) and destroy the staging streams. Off the event loop (it waits); idempotent."""
         with self._cond:
@@ -674,7 +674,7 @@ class Staging:
         self._closed = False
 
     def stager(self, device: CudaDevice) -> Stager:
-        """The device's stager (a closed one after :meth:`close`: its submit refuses)."""
+        """The device's stager (a closed one after `close`: its submit refuses)."""
         with self._lock:
             s = self._stagers.get(device.ordinal)
             if s is None:
@@ -693,7 +693,7 @@ class Staging:
             return list(self._stagers.values())
 
     def close(self) -> None:
-        """Close every stager (see :meth:`Stager.close`); idempotent."""
+        """Close every stager (see `Stager.close`); idempotent."""
         with self._lock:
             self._closed = True
             stagers = list(self._stagers.values())

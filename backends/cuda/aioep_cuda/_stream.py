@@ -31,10 +31,10 @@ class CudaStream(StreamImpl):
     notification whose host function would land after later work is polled
     instead, so it is never woken late.
 
-    :meth:`close` may come while work is still queued (the driver runs it after
+    `close` may come while work is still queued (the driver runs it after
     ``cuStreamDestroy``): waiters armed on the stream are polled to the end, and
     the stream's pageable-copy gate word goes back to the device only once the
-    stream is past every wait on it (:attr:`gate_released` is set then).
+    stream is past every wait on it (`gate_released` is set then).
     """
 
     def __init__(
@@ -61,12 +61,12 @@ class CudaStream(StreamImpl):
         self._settle_waiters: list[tuple[int, Callable[[], None]]] = []
         self._settle_lock = threading.Lock()
         self.gate_released = threading.Event()
-        """Set once the gate word (if any) is back with the device after :meth:`close`."""
+        """Set once the gate word (if any) is back with the device after `close`."""
         self.alloc_seen = 0  # the helper stream's allocation generation this stream waited for
 
     def fence(self) -> None:
         """Before using memory: wait on the device for allocations made without a stream
-        (never blocks the host; see :meth:`SharedDevice.fence`). Call with :attr:`lock` held."""
+        (never blocks the host; see `SharedDevice.fence`). Call with `lock` held."""
         self.alloc_seen = self.device.shared.fence(self.cu, self.alloc_seen)
 
     def mark(self) -> Any | None:
@@ -106,7 +106,7 @@ class CudaStream(StreamImpl):
         return CudaNotification(self)
 
     def enqueued(self) -> None:
-        """Note that work was enqueued (called with :attr:`lock` held or from the loop)."""
+        """Note that work was enqueued (called with `lock` held or from the loop)."""
         self.seq += 1
 
     def gate_errors_between(self, lo: int, hi: int) -> BaseException | None:
@@ -127,7 +127,7 @@ class CudaStream(StreamImpl):
 
     def gate_pending(self, value: int) -> None:
         """Gate ``value``'s staged copy is under way: a notification recorded after its wait
-        completes only once :meth:`gate_settled` says the copy makes no more driver calls.
+        completes only once `gate_settled` says the copy makes no more driver calls.
 
         On success that is already so when the device passes the gate; but after a sticky
         error every later event of the context reports the error at once, while the stager
@@ -201,9 +201,9 @@ class CudaStream(StreamImpl):
 
 
 class CudaNotification(NotificationImpl):
-    """A pooled ``CUevent`` (timing disabled) recorded on a :class:`CudaStream`.
+    """A pooled ``CUevent`` (timing disabled) recorded on a `CudaStream`.
 
-    Completion reaches :meth:`add_done_callback` callbacks through the
+    Completion reaches `add_done_callback` callbacks through the
     factory's dispatcher: a ``sem_post`` host function enqueued right after the
     event record, or polling with backoff when that is not possible.
     """
@@ -247,12 +247,12 @@ class CudaNotification(NotificationImpl):
     @property
     def event(self) -> Any:
         """The ``CUevent`` (valid while this notification is alive); None if none could be
-        made (see :meth:`recorded_event`)."""
+        made (see `recorded_event`)."""
         return self._event
 
     def recorded_event(self) -> Any:
-        """The ``CUevent`` as recorded by the last :meth:`activate`, for a
-        ``cuStreamWaitEvent``; :class:`DeviceError` if that record failed."""
+        """The ``CUevent`` as recorded by the last `activate`, for a
+        ``cuStreamWaitEvent``; `DeviceError` if that record failed."""
         with self._lock:
             failed = self._unrecorded
         if failed is not None:
@@ -266,9 +266,9 @@ class CudaNotification(NotificationImpl):
 
     def activate(self) -> None:
         """Record the event at the stream's tail. A closed stream raises
-        :class:`DeviceError`; a record the driver refuses (a broken context) does not: the
+        `DeviceError`; a record the driver refuses (a broken context) does not: the
         notification completes with that error instead, once the staged copies enqueued
-        before it make no more driver calls (see :meth:`CudaStream.gate_pending`). The copy
+        before it make no more driver calls (see `CudaStream.gate_pending`). The copy
         it marks was handed over already, so its caller must keep the memory until then."""
         stream = self._stream
         drv = driver()

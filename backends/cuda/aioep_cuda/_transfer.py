@@ -4,11 +4,11 @@ Pinned and device memory: every pair of a batch is enqueued on the one stream
 and the call returns at once. Pageable host memory is the exception: CUDA
 copies it synchronously (H2D returns once the data is staged, D2H once it has
 landed), and slowly (one thread, the driver's small staging buffer). Pageable
-pairs go through the device's :class:`~._staging.Stager` instead: pinned
+pairs go through the device's `Stager` instead: pinned
 staging chunks, host copies spread over worker threads, device copies from the
 chunks overlapped with them. Without a stream a batch of pinned and device memory is
 enqueued on the transfer's own stream of the device
-(:meth:`CudaDataTransfer.enqueue_unstreamed`: no thread hop, the dispatcher wakes the
+(`CudaDataTransfer.enqueue_unstreamed`: no thread hop, the dispatcher wakes the
 awaiter); a batch with pageable memory runs on the core's worker thread, which waits for
 the staged pairs. With a stream the
 pageable pairs go through a *gate*:
@@ -53,7 +53,7 @@ _Loc = tuple[str, CudaDevice | None]  # ("device", dev) | ("pinned", None) | ("p
 
 class PageableCopier:
     """Stream-gated pageable copies: keeps the gates whose prerequisites have not completed
-    (to open them at close) and hands ready ones to the device's :class:`Stager`."""
+    (to open them at close) and hands ready ones to the device's `Stager`."""
 
     def __init__(self, staging: Staging) -> None:
         self.staging = staging
@@ -103,8 +103,8 @@ class PageableCopier:
     def close(self) -> None:
         """Open every gate whose prerequisites have not completed yet (a stream still held
         on the device, or failed) without its copy (its futures fail with a
-        :class:`DeviceError`), so that no stream of the context waits for a copy that will
-        never run; idempotent. The staged jobs already queued finish (:meth:`Staging.close`)."""
+        `DeviceError`), so that no stream of the context waits for a copy that will
+        never run; idempotent. The staged jobs already queued finish (`Staging.close`)."""
         with self._lock:
             waiting, self._waiting = list(self._waiting), set()
         for job in sorted(waiting, key=lambda j: j.value):

@@ -7,7 +7,7 @@ the stream reaches that point the driver's callback thread calls
 ``sem_post(&sem)`` directly: a few instructions, async-signal-safe, no Python,
 no GIL, so a busy interpreter can never stall the stream.
 
-One :class:`Dispatcher` thread per factory blocks in ``sem_timedwait`` (ctypes
+One `Dispatcher` thread per factory blocks in ``sem_timedwait`` (ctypes
 releases the GIL for the call). Each post wakes it; it then finds what
 completed without a lookup table: host functions on one stream run in stream
 order, so it keeps one FIFO of armed waiters per stream and pops heads while
@@ -25,7 +25,7 @@ once and then with sleeps of 4, 8, 16 ... us, until ``poll_budget`` seconds
 which saves the driver's callback-thread hop (measured on an H200: 17.4 us for
 polling against 25.9 us for the host-function wake). A waiter still pending at
 the end of its budget leaves the hot list and is woken by its host function,
-as before (:attr:`Dispatcher.hot_expired` counts those). At most ``hot_max``
+as before (`Dispatcher.hot_expired` counts those). At most ``hot_max``
 waiters are hot at once; the sleeps release the GIL; the dispatcher thread's
 timer slack is lowered to 1 us (Linux) so those sleeps are as short as asked.
 Nothing spins without a bound: the budget is per waiter and fixed.
@@ -91,7 +91,7 @@ class Semaphore:
         _KEEP.append(buf)
 
     def post(self) -> None:
-        """Post from Python (the driver posts through :attr:`post_address`)."""
+        """Post from Python (the driver posts through `post_address`)."""
         libc.sem_post(self.address)
 
     def wait(self, timeout: float) -> bool:
@@ -185,7 +185,7 @@ class Dispatcher:
     def watch_ordered(self, key: Hashable, check: Check, *, poll_first: bool = False) -> None:
         """Add a waiter whose host function is enqueued on stream ``key`` (after this call).
 
-        ``poll_first``: also poll it for up to :attr:`poll_budget` seconds from now (if
+        ``poll_first``: also poll it for up to `poll_budget` seconds from now (if
         fewer than ``hot_max`` waiters are being polled so); the host function wakes it
         if that poll does not find it complete.
         """

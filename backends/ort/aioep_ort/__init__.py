@@ -2,7 +2,7 @@
 
 ``env.register_library("webgpu", "/path/libonnxruntime_providers_webgpu.so")``
 registers the library with onnxruntime and exposes each of its ``OrtEpDevice``
-objects as an :class:`OrtPluginDevice`; tensors on its memory are OrtValues
+objects as an `OrtPluginDevice`; tensors on its memory are OrtValues
 kept alive by aioep, copies go through ``onnxruntime.copy_tensors`` off the
 event loop, in chunks. See the README for options and limits.
 """

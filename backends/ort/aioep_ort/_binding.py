@@ -13,7 +13,7 @@ handles split into segments, or a view into one) cannot be bound by handle: ORT'
 binding has no offsets into a WebGPU buffer. Such an input is copied once to the
 host and bound from there (``DeviceIO.host_fallbacks`` counts these). The copies
 a session makes of an EP's inputs never need that: they are allocated as one OrtValue
-each (:meth:`DeviceIO.allocate`); ``chunk_bytes=0`` makes every buffer one.
+each (`DeviceIO.allocate`); ``chunk_bytes=0`` makes every buffer one.
 """
 
 from __future__ import annotations

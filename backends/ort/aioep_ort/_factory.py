@@ -136,7 +136,7 @@ def _no_segments() -> int:
 
 
 class OrtPluginDevice(EpDevice):
-    """An aioep :class:`EpDevice` for one ORT ``OrtEpDevice``; names and metadata are ORT's."""
+    """An aioep `EpDevice` for one ORT ``OrtEpDevice``; names and metadata are ORT's."""
 
     __slots__ = ("_ep_name", "_ep_vendor", "index", "registration_name")
 

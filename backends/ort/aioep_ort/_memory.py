@@ -187,8 +187,8 @@ class AddressMap:
 class OrtAllocator(Allocator):
     """Device (or host-accessible) memory of one ORT plugin EP, as uint8 OrtValues.
 
-    Each buffer's OrtValues live in the factory's :class:`AddressMap` until the
-    buffer is freed; they are counted on the library's :class:`Registration`
+    Each buffer's OrtValues live in the factory's `AddressMap` until the
+    buffer is freed; they are counted on the library's `Registration`
     so the library is never unregistered from ORT while one is alive.
     """
 

@@ -31,7 +31,7 @@ def translate(exc: BaseException, what: str) -> EpError:
 
     The caller raises the result ``from exc``. ORT's own classes (``Fail``,
     ``InvalidArgument``, ``NotImplemented``, ``NoSuchFile``, ``EPFail`` ...) map to
-    the matching aioep class; anything else becomes a :class:`DeviceError`.
+    the matching aioep class; anything else becomes a `DeviceError`.
     """
     if isinstance(exc, EpError):
         return exc

@@ -2,7 +2,7 @@
 
 ONNX Runtime's Python binding has one global environment, so a library is
 registered with ORT once per process however many aioep environments use it:
-each :class:`Registration` is reference-counted. It also counts the OrtValues
+each `Registration` is reference-counted. It also counts the OrtValues
 alive on the library's memory and unregisters from ORT only when both counts
 reach zero, because unregistering while an OrtValue (or session) of the
 library is alive crashes the interpreter (SIGSEGV at its next use or release).

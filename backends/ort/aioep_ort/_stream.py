@@ -16,7 +16,7 @@ class OrtStream(ThreadStream):
 
     ORT's Python binding offers no notification or host wait for a sync stream,
     so copies enqueued here run synchronously, in order, on the worker thread:
-    completion is then exact. :attr:`handle` is the native stream handle
+    completion is then exact. `handle` is the native stream handle
     (``OrtSyncStream.get_handle()``), for handing to ORT sessions.
     """
 
@@ -33,7 +33,7 @@ class OrtStream(ThreadStream):
 
     @property
     def ort_stream(self) -> Any:
-        """The ``onnxruntime.OrtSyncStream`` (None after :meth:`close`)."""
+        """The ``onnxruntime.OrtSyncStream`` (None after `close`)."""
         return self._ort_stream
 
     def close(self) -> None:

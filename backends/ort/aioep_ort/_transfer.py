@@ -6,7 +6,7 @@ already validated each batch; this module adds the ORT side: every OrtValue it
 hands to ORT has exactly the size of its partner (uint8 on both sides), all
 sources of one call share one memory info (as ORT requires), and a large copy
 is split into calls with the GIL released between them, so the event loop keeps
-running during a long copy. Calls are sized by time (:class:`CallPacer`): each
+running during a long copy. Calls are sized by time (`CallPacer`): each
 direction's measured throughput gives the largest call that holds the GIL for
 about ``chunk_ms``; a fixed ``chunk_bytes`` replaces that with a byte limit.
 """

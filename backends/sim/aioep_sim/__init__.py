@@ -1,6 +1,6 @@
 """aioep-sim: a simulated accelerator, the reference aioep backend.
 
-Entry point ``sim`` in group ``aioep.backends`` names :class:`SimFactory`.
+Entry point ``sim`` in group ``aioep.backends`` names [`SimFactory`][aioep_sim.SimFactory].
 Copy this package to start a new backend; the README says how.
 """
 

@@ -1,4 +1,4 @@
-"""DLPack and CUDA Array Interface for sim memory: import (a :class:`MemoryImporter`) and
+"""DLPack and CUDA Array Interface for sim memory: import (a `MemoryImporter`) and
 export (``Tensor.__dlpack__`` of sim device tensors).
 
 Sim device memory is DLPack device type ``kDLExtDev`` (12, the type ``dlpack.h`` reserves

@@ -179,7 +179,7 @@ class _Work:
 class SimEp(Ep):
     """The sim EP for one session; ``factory.create_ep(ep_devices, options)`` makes it.
 
-    Options: ``ops`` (comma-separated subset of :data:`SUPPORTED_OPS` to claim).
+    Options: ``ops`` (comma-separated subset of `SUPPORTED_OPS` to claim).
     """
 
     name = "SimExecutionProvider"

@@ -45,7 +45,7 @@ class SimOptions:
     def from_options(cls, options: Mapping[str, Any] | None) -> SimOptions:
         """Validate a mapping of option name -> str/int/float.
 
-        Values follow :mod:`aioep.abc`'s option rules: counts and sizes are ints or int
+        Values follow [`aioep.abc`][aioep.abc]'s option rules: counts and sizes are ints or int
         strings (decimal or ``0x`` hex; never floats), rates and times are numbers or
         number strings.
 

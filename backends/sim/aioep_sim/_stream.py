@@ -27,7 +27,7 @@ def stream_by_handle(handle: int) -> SimStream | None:
 class SimStream(ThreadStream):
     """An in-order queue of work on one sim device, run by its own worker thread.
 
-    Everything comes from :class:`aioep.abc.ThreadStream`: copies are
+    Everything comes from [`aioep.abc.ThreadStream`][aioep.abc.ThreadStream]: copies are
     enqueued by the data transfer, notifications mark points in the order, and
     a wait on another stream's notification parks this worker (the "device"),
     never the host.

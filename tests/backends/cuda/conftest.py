@@ -1,6 +1,6 @@
 """Fixtures shared by the CUDA backend's tests.
 
-They run on the driver that :func:`cuda_emulator.select_driver` chose, once per process: the
+They run on the driver that `cuda_emulator.select_driver` chose, once per process: the
 real NVIDIA driver where ``cuInit`` finds a GPU, else the emulated driver of
 ``tests/cuda_emulator`` (a test double). On the emulator, every test marked ``gpu`` gets its
 devices, its thread (the event loop) watched for waits in the driver, and a check that the

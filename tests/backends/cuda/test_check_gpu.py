@@ -247,6 +247,71 @@ def test_a_crash_or_a_hang_hides_no_other_test(tmp_path: Path) -> None:
     assert any("crash: tests/test_fake.py::test_crashes[1]" in line for line in lines)
 
 
+def test_tests_that_cannot_be_collected_say_why_on_the_console(tmp_path: Path) -> None:
+    # Without the test extra a test file cannot import hypothesis: pytest stops before any
+    # test, and the console (not only the JSON) says which file and why.
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_fine.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "tests" / "test_needs_extra.py").write_text(
+        "import aioep_no_such_test_dependency\n\ndef test_b():\n    pass\n"
+    )
+    lines: list[str] = []
+    summary = run_tests(
+        checkout=tmp_path,
+        env=_bare_env(),
+        files=["tests/test_fine.py", "tests/test_needs_extra.py"],
+        budget=120,
+        log=lines.append,
+    )
+    why = (
+        "pytest stopped at 1 collection error(s): tests/test_needs_extra.py: "
+        "ModuleNotFoundError: No module named 'aioep_no_such_test_dependency'"
+    )
+    assert [t["outcome"] for t in summary["tests"]] == ["not-run"]
+    assert summary["tests"][0]["message"].startswith(why)
+    assert why in summary["why"]
+    console = "\n".join(lines)
+    assert f"1 not run: {why}" in console, console
+    assert "pip install -e '.[test]'" in console
+    assert "cannot collect tests/test_needs_extra.py: ModuleNotFoundError" in console
+
+
+def test_the_test_run_shows_its_progress(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_one.py").write_text("def test_a():\n    pass\n")
+    (tmp_path / "tests" / "test_two.py").write_text("def test_b():\n    pass\n")
+    lines: list[str] = []
+    run_tests(
+        checkout=tmp_path,
+        env=_bare_env(),
+        files=["tests/test_one.py", "tests/test_two.py"],
+        budget=120,
+        log=lines.append,
+    )
+    starts = [line for line in lines if line.endswith(".py ...")]
+    assert len(starts) == 2, lines
+    assert starts[0].startswith("  [0/2 tests, ")
+    assert "tests/test_one.py" in starts[0]
+    assert starts[1].startswith("  [1/2 tests, ")
+    assert "tests/test_two.py" in starts[1]
+
+
+def test_a_long_test_file_reports_that_it_is_still_running() -> None:
+    from aioep_cuda._check import _Progress
+
+    lines: list[str] = []
+    progress = _Progress(lines.append, every=0.0)  # a line at every poll
+    progress.record({"event": "collected", "nodeids": ["t.py::a", "t.py::b"]})
+    progress.record({"event": "start", "nodeid": "t.py::a"})
+    progress.record({"event": "done", "nodeid": "t.py::a"})
+    progress.record({"event": "start", "nodeid": "t.py::b"})
+    lines.clear()
+    progress.record({"event": "poll"})
+    assert len(lines) == 1
+    assert lines[0].startswith("  [1/2 tests, ")
+    assert lines[0].endswith("still running: t.py::b")
+
+
 def test_the_time_budget_bounds_the_run(tmp_path: Path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_slow.py").write_text(
