@@ -160,9 +160,9 @@ def create_app(
 ) -> FastAPI:
     """Build the app: ``workers`` requests on the device at once (and ``workers`` pooled
     streams), on ``device`` (one of
-    :data:`DEVICES`; default ``AIOEP_DEVICE`` or ``auto``), serving ``model_path``
-    (default :func:`default_model_path`); ``backends`` and ``backend_options`` go to
-    :class:`aioep.Environment`."""
+    `DEVICES`; default ``AIOEP_DEVICE`` or ``auto``), serving ``model_path``
+    (default `default_model_path`); ``backends`` and ``backend_options`` go to
+    `aioep.Environment`."""
     choice = device or os.environ.get("AIOEP_DEVICE", "auto")
     if choice not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {choice!r}")
