@@ -10,7 +10,9 @@ Layout: ``_driver`` (the driver boundary: loading, result checks, contexts),
 released only at the last close), ``_pool`` (the caching pools: nothing synchronises while
 an environment runs), ``_stream`` (CUstream / CUevent),
 ``_wake`` (the GIL-free ``sem_post`` wake-up and its dispatcher thread),
-``_allocator``, ``_transfer``, ``_dlpack``, ``_factory``, ``_probe`` (what driver and GPUs
+``_allocator``, ``_transfer``, ``_staging`` (pageable copies through pinned chunks: the
+``Stager`` over a worker pool, ``_workers``, a chunk pool, ``_chunks``, and the piece
+machine, ``_pieces``), ``_dlpack``, ``_factory``, ``_probe`` (what driver and GPUs
 the process sees: `describe_driver`), ``_check`` (the ``check-gpu`` subcommand, whose
 harness lives in an aioep checkout's ``tools/check_gpu``).
 """
