@@ -242,9 +242,11 @@ def _conclude(summary: dict[str, Any], *, judged: bool, started: float) -> None:
 
 def _log_conclusion(summary: Mapping[str, Any], out: Path, log: Callable[[str], None]) -> None:
     for key, fig in summary.get("figures", {}).items():
+        if fig["target"] is None:  # reported, never judged
+            log(f"  {key}: {fig['value']} (reported): {fig['why']}")
+            continue
         verdict = {True: "met", False: "NOT MET", None: "not judged"}[fig["met"]]
-        target = f"target {fig['target']}" if fig["target"] else "reported"
-        log(f"  {key}: {fig['value']} ({target}): {verdict}: {fig['why']}")
+        log(f"  {key}: {fig['value']} (target {fig['target']}): {verdict}: {fig['why']}")
     for line in summary["why"] if not summary["ok"] else ():
         log(f"  not ok: {line[:500]}")
     log(f"{summary['status']}: summary written to {out} ({summary['duration_s']} s)")
