@@ -20,6 +20,8 @@ from ._base.errors import InUseError as InUseError
 from ._base.errors import InvalidArgument as InvalidArgument
 from ._base.errors import NoSuchFile as NoSuchFile
 from ._base.errors import NotImplementedByEp as NotImplementedByEp
+from ._base.protocols import SupportsCudaArrayInterface as SupportsCudaArrayInterface
+from ._base.protocols import SupportsDLPack as SupportsDLPack
 from ._base.types import AllocatorType as AllocatorType
 from ._base.types import DeviceType as DeviceType
 from ._base.types import HardwareDevice as HardwareDevice
@@ -91,6 +93,8 @@ __all__ = [
     "NotImplementedByEp",
     "Notification",
     "Session",
+    "SupportsCudaArrayInterface",
+    "SupportsDLPack",
     "SyncStream",
     "Tensor",
     "ValueInfo",
