@@ -20,7 +20,6 @@ import numpy as np
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.types import DeviceType, MemoryDevice
-from .._base.validate import describe
 from .._interop.foreign import import_feeds
 from .._streams.stream import SyncStream
 from .._tensors.tensor import Tensor
@@ -33,6 +32,7 @@ from .values import (
     RunOutput,
     RunValue,
     bind_inputs,
+    describe_value,
     host_feeds,
     same_memory,
 )
@@ -86,7 +86,7 @@ class Runner:
         outputs the producing EP may write straight into (pre-bound outputs)."""
         if output_location not in _LOCATIONS:
             raise InvalidArgument(
-                f"run: output_location must be 'device' or 'host', got {describe(output_location)}"
+                f"run: output_location must be 'device' or 'host', got {describe_value(output_location)}"
             )
         streams, user_ready = self._streams_for(stream)
         inputs = await import_feeds(self.env, inputs, stream)
@@ -158,7 +158,7 @@ class Runner:
             return self.plan.streams, None
         if not isinstance(stream, SyncStream):
             raise InvalidArgument(
-                f"run: stream must be an aioep.SyncStream, got {describe(stream)}"
+                f"run: stream must be an aioep.SyncStream, got {describe_value(stream)}"
             )
         owner = next(
             (ep.name for ep in self.eps if stream.ep_device.factory is ep.ep_devices[0].factory),
@@ -425,8 +425,12 @@ def _on_host(value: RunOutput) -> OrtOutput:
     """A host output as onnxruntime's ``run`` gives it: numpy arrays for tensors."""
     if isinstance(value, Tensor):
         array: HostArray = value.numpy()
-        # A string tensor's view is read-only; onnxruntime's arrays are not.
-        return array.copy() if array.dtype.hasobject else array
+        # Memory from an allocator (an EP's host memory) goes back to it, and a string
+        # tensor's view is read-only: the caller gets its own array, as from onnxruntime.
+        if value.buffer.allocator is not None or array.dtype.hasobject:
+            own: HostArray = array.copy()
+            return own
+        return array
     if isinstance(value, list):
         # A sequence holds tensors, or maps (which stay as they are).
         items = [_on_host(v) if isinstance(v, Tensor) else v for v in value]

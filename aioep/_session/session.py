@@ -40,7 +40,7 @@ from .node_arg import NodeArg, node_args
 from .partition import CPU_EP_NAME
 from .plan import SessionPlan
 from .run import Runner, terminated
-from .values import OrtOutput, RunInput, RunOutput
+from .values import OrtOutput, RunInput, RunOutput, describe_value
 from .workers import Workers
 
 if TYPE_CHECKING:
@@ -430,7 +430,7 @@ class Session(AsyncResource):
         if not isinstance(input_feed, Mapping):
             pairs = isinstance(input_feed, (list, tuple))
             raise InvalidArgument(
-                f"run: input_feed must map input names to values, got {describe(input_feed)}"
+                f"run: input_feed must map input names to values, got {describe_value(input_feed)}"
                 + ("; for (name, value) pairs, pass dict(pairs)" if pairs else "")
             )
         _check_run_options(run_options)
@@ -453,7 +453,7 @@ class Session(AsyncResource):
             if not isinstance(name, str):
                 raise InvalidArgument(
                     f"run: output_names must hold output names (str); output_names[{i}] is "
-                    f"{describe(name)}"
+                    f"{describe_value(name)}"
                 )
         unknown = [name for name in output_names if name not in outputs]
         if unknown:
@@ -564,7 +564,7 @@ def _bad_first_argument(first: object) -> str:
         hint = f"; for the one output {first!r}, pass a list: run([{first!r}], input_feed)"
     return (
         f"run: the first argument must be a mapping of input names to values ({_MAPPING_FORM}), "
-        f"or None or a list of output names (onnxruntime's {_ORT_FORM}); got {describe(first)}"
+        f"or None or a list of output names (onnxruntime's {_ORT_FORM}); got {describe_value(first)}"
         + hint
     )
 
@@ -580,7 +580,7 @@ def _check_run_options(run_options: object) -> None:
             hint = "; stream is a keyword in this form: run(output_names, input_feed, stream=...)"
         raise InvalidArgument(
             "run: run_options must be None or an onnxruntime.RunOptions, got "
-            f"{describe(run_options)}{hint}"
+            f"{describe_value(run_options)}{hint}"
         )
     if run_options.terminate:
         raise terminated("before it started")

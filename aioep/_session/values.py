@@ -13,6 +13,7 @@ import numpy.typing as npt
 from .._base.errors import InvalidArgument
 from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import DeviceType, MemoryDevice
+from .._base.validate import describe
 from .._graph.types import ValueInfo
 from .._tensors.ownership import Scope, check_owner
 from .._tensors.tensor import Tensor
@@ -33,6 +34,7 @@ __all__ = [
     "bind_inputs",
     "check_type",
     "contiguous",
+    "describe_value",
     "host_feeds",
     "input_specs",
     "same_memory",
@@ -84,6 +86,19 @@ class RunValue:
     ready: Notification | None = None  # None: complete
     stream: SyncStream | None = None
     host: Any = None
+
+
+def describe_value(value: object) -> str:
+    """A short description of a run's argument for an error message: an array as its dtype and
+    shape, a mapping by its keys, a list by its length (never an array's data)."""
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype}{list(value.shape)}"
+    if isinstance(value, Mapping):
+        keys = [k if isinstance(k, str) else type(k).__name__ for k in list(value)[:8]]
+        return f"{type(value).__name__} with keys {keys}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)} item(s)"
+    return describe(value)
 
 
 def input_specs(graph: GraphView) -> tuple[InputSpec, ...]:
