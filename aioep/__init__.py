@@ -49,6 +49,7 @@ from ._session.ep import FusedGroup as FusedGroup
 from ._session.ep import IndexedSubGraph as IndexedSubGraph
 from ._session.ep import MetaDef as MetaDef
 from ._session.io_binding import IOBinding as IOBinding
+from ._session.node_arg import NodeArg as NodeArg
 from ._session.session import Session as Session
 from ._streams.notification import Notification as Notification
 from ._streams.stream import SyncStream as SyncStream
@@ -90,6 +91,7 @@ __all__ = [
     "MetaDef",
     "NoSuchFile",
     "Node",
+    "NodeArg",
     "NotImplementedByEp",
     "Notification",
     "Session",

@@ -13,11 +13,12 @@ __all__ = ["SupportsCudaArrayInterface", "SupportsDLPack"]
 
 @runtime_checkable
 class SupportsDLPack(Protocol):
-    """An object that exports its memory through DLPack: ``__dlpack__`` and ``__dlpack_device__``
-    (a PyTorch, CuPy, JAX or numpy array).
+    """Another library's tensor that aioep takes through DLPack (PyTorch, CuPy, JAX, numpy).
 
-    aioep calls ``__dlpack__(stream=...)`` (with ``max_version=`` where the producer takes it)
-    and ``__dlpack_device__()``, which returns the DLPack device type code and device id.
+    It has ``__dlpack__`` and ``__dlpack_device__``. aioep calls ``__dlpack__(stream=...)``
+    (with ``max_version=`` where the producer takes it) and ``__dlpack_device__()``, which
+    returns the DLPack device type code and the device id. Annotate with it (or
+    ``SupportsCudaArrayInterface``) what you hand to ``copy_tensors`` or ``Session.run``.
     """
 
     def __dlpack__(self, *, stream: Any = None) -> object: ...
@@ -27,8 +28,10 @@ class SupportsDLPack(Protocol):
 
 @runtime_checkable
 class SupportsCudaArrayInterface(Protocol):
-    """An object that describes its CUDA memory with ``__cuda_array_interface__`` (a CuPy,
-    PyTorch or numba array), version 2 or 3 of the interface."""
+    """Another library's CUDA tensor that aioep takes through the CUDA Array Interface.
+
+    It has ``__cuda_array_interface__`` (version 2 or 3): a CuPy, PyTorch or numba array.
+    """
 
     @property
     def __cuda_array_interface__(self) -> Mapping[str, Any]: ...

@@ -22,8 +22,7 @@ _MADE_UP = re.compile(r"unk__[0-9]+")
 
 @dataclass(frozen=True)
 class NodeArg:
-    """A model input or output as onnxruntime's ``NodeArg`` shows it; from
-    ``Session.get_inputs()`` and ``Session.get_outputs()``.
+    """A model input or output as onnxruntime's ``NodeArg`` shows it (``session.get_inputs()``).
 
     ``type`` is onnxruntime's type string (``'tensor(float)'``, ``'seq(tensor(int64))'``,
     ``'map(string,tensor(float))'``, ``'optional(tensor(float))'``). ``shape`` is a list with,
