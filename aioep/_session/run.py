@@ -86,7 +86,8 @@ class Runner:
         outputs the producing EP may write straight into (pre-bound outputs)."""
         if output_location not in _LOCATIONS:
             raise InvalidArgument(
-                f"run: output_location must be 'device' or 'host', got {describe_value(output_location)}"
+                "run: output_location must be 'device' or 'host', got "
+                f"{describe_value(output_location)}"
             )
         streams, user_ready = self._streams_for(stream)
         inputs = await import_feeds(self.env, inputs, stream)

@@ -379,11 +379,19 @@ class Session(AsyncResource):
             EpError: ``run_options.terminate`` is set.
             ClosedError: the session or its environment is closed.
         """
+        if len(args) == 1 and not kwargs and type(args[0]) is dict:  # run(inputs): the most common
+            return await self._run(args[0], None, "device", None)
         if args:
             first = args[0]
             if type(first) is dict or isinstance(first, Mapping):
                 ort_form = False
             elif first is None or isinstance(first, (list, tuple)):
+                if (
+                    len(args) == 1
+                    and "input_feed" not in kwargs
+                    and not all(isinstance(name, str) for name in first or ())
+                ):  # run([array]): inputs in a list, not output names
+                    raise InvalidArgument(_bad_first_argument(first))
                 ort_form = True
             else:
                 raise InvalidArgument(_bad_first_argument(first))
@@ -562,10 +570,12 @@ def _bad_first_argument(first: object) -> str:
     hint = ""
     if isinstance(first, str):
         hint = f"; for the one output {first!r}, pass a list: run([{first!r}], input_feed)"
+    elif isinstance(first, (list, tuple)):
+        hint = "; inputs go in a mapping of input names to values"
     return (
         f"run: the first argument must be a mapping of input names to values ({_MAPPING_FORM}), "
-        f"or None or a list of output names (onnxruntime's {_ORT_FORM}); got {describe_value(first)}"
-        + hint
+        f"or None or a list of output names (onnxruntime's {_ORT_FORM}); "
+        f"got {describe_value(first)}" + hint
     )
 
 

@@ -193,6 +193,8 @@ async def test_run_argument_errors_name_the_forms_and_never_print_an_array() -> 
             await sess.run(["y", "nope"], big)
         with pytest.raises(InvalidArgument, match=r"output_names\[0\] is int 1"):
             await sess.run([1], big)
+        with pytest.raises(InvalidArgument, match=r"got list of 1 item\(s\); inputs go in a map"):
+            await sess.run([big["x"]])
         with pytest.raises(InvalidArgument, match=r"input_feed must map.*dict\(pairs\)"):
             await sess.run(None, list(big.items()))
         with pytest.raises(InvalidArgument, match="run_options must be None or an onnxruntime"):
