@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .._graph.graph import GraphView
     from .._graph.types import ValueInfo
 
-__all__ = ["NodeArg", "node_args"]
+__all__ = ["NodeArg", "node_args", "ort_node_args"]
 
 # The names ONNX shape inference makes up for dimensions it cannot name; onnxruntime's own
 # inference leaves those dimensions without a name (None).
@@ -41,6 +41,13 @@ def node_args(graph: GraphView, infos: Iterable[ValueInfo]) -> tuple[NodeArg, ..
     onnx = import_optional("onnx", "aioep sessions")
     declared = _declared_dim_names(graph.model.graph)
     return tuple(_node_arg(onnx, info, declared) for info in infos)
+
+
+def ort_node_args(session: Any) -> tuple[tuple[NodeArg, ...], tuple[NodeArg, ...]]:
+    """The inputs' and outputs' NodeArgs of an ``onnxruntime.InferenceSession``."""
+    inputs = tuple(NodeArg(a.name, a.type, list(a.shape)) for a in session.get_inputs())
+    outputs = tuple(NodeArg(a.name, a.type, list(a.shape)) for a in session.get_outputs())
+    return inputs, outputs
 
 
 def _declared_dim_names(graph: Any) -> set[str]:

@@ -36,7 +36,7 @@ from .._tensors.tensor import Tensor
 from .cpu_fallback import load_whole
 from .ep import Ep
 from .io_binding import IOBinding, place_bound_outputs
-from .node_arg import NodeArg, node_args
+from .node_arg import NodeArg, node_args, ort_node_args
 from .partition import CPU_EP_NAME
 from .plan import SessionPlan
 from .run import Runner, terminated
@@ -269,6 +269,14 @@ class Session(AsyncResource):
     async def _prepare(self, opts: Mapping[str, Any], preload: Future[Any] | None) -> None:
         try:
             await self._plan.build(self._env, self._eps, opts, preload, self._workers)
+            direct = self._plan.direct
+            if direct is not None:  # onnxruntime runs the whole model: its own NodeArgs
+                self._node_args = ort_node_args(direct.ort_session)
+            else:  # from shape inference, which can be long: not on the event loop
+                graph = self.graph
+                self._node_args = await anyio.to_thread.run_sync(
+                    lambda: (node_args(graph, graph.inputs), node_args(graph, graph.outputs))
+                )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
@@ -312,7 +320,7 @@ class Session(AsyncResource):
         return list(self._io_node_args()[1])
 
     def _io_node_args(self) -> tuple[tuple[NodeArg, ...], tuple[NodeArg, ...]]:
-        if self._node_args is None:
+        if self._node_args is None:  # only while create_session prepares the session
             graph = self.graph
             self._node_args = (node_args(graph, graph.inputs), node_args(graph, graph.outputs))
         return self._node_args

@@ -334,10 +334,15 @@ def _fields(args: Sequence[Any]) -> list[tuple[str, str, list[Any]]]:
     return [(a.name, a.type, a.shape) for a in args]
 
 
-async def test_get_inputs_and_outputs_equal_onnxruntime_node_args() -> None:
+@pytest.mark.parametrize("claimed", [False, True])
+async def test_get_inputs_and_outputs_equal_onnxruntime_node_args(claimed: bool) -> None:
+    # Claimed: aioep describes the model itself (onnxruntime does not load it whole).
     model = _typed_io_model()
     ref = ort_baseline(model)
-    async with environment() as (env, _), await env.create_session(model) as sess:
+    async with environment(ep=claim_ops("Relu")) as (env, devs):
+        sess = await env.create_session(model, [devs["ep"]] if claimed else [])
+        await sess.aclose()
+        assert ("ep" in sess.assignment) is claimed
         inputs, outputs = sess.get_inputs(), sess.get_outputs()
         assert _fields(inputs) == _fields(ref.get_inputs())
         assert _fields(outputs) == _fields(ref.get_outputs())
