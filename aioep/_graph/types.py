@@ -100,7 +100,7 @@ class Initializer:
     __slots__ = ("_base_dir", "_proto", "dtype", "external", "name", "shape")
 
     def __init__(self, proto: Any, base_dir: Path | None) -> None:
-        """Raises :class:`InvalidArgument` for a negative dimension or a data type that is not
+        """Raises `InvalidArgument` for a negative dimension or a data type that is not
         a tensor element type (0, UNDEFINED, or one onnx does not know)."""
         onnx = _onnx()
         self._proto = proto
@@ -162,7 +162,7 @@ class Initializer:
     def _external_proto(self, onnx: Any) -> tuple[Any, str]:
         """A copy of the proto that names its external file by its real path, and that path's
         folder: onnx reads it without its own location check (stricter than ORT's: it
-        refuses any symbolic link), which :func:`resolve_location` has made."""
+        refuses any symbolic link), which `resolve_location` has made."""
         if self._base_dir is None:
             raise InvalidArgument(
                 f"initializer {self.name!r} keeps its data in an external file, but the model "

@@ -115,8 +115,8 @@ def _load_part(graph: GraphView, step: PlanStep, so: Any, whole: bool) -> None:
 def run_ort(
     session: Any, feeds: dict[str, Any], names: list[str] | None = None, run_options: Any = None
 ) -> list[Any]:
-    """``session.run(names, feeds, run_options)``, its errors as :class:`DeviceError` (a run
-    stopped by ``run_options.terminate`` as :class:`EpError`)."""
+    """``session.run(names, feeds, run_options)``, its errors as `DeviceError` (a run
+    stopped by ``run_options.terminate`` as `EpError`)."""
     try:
         return list(session.run(names, feeds, run_options))
     except Exception as exc:

@@ -316,7 +316,7 @@ class Session(AsyncResource):
 
     def get_outputs(self) -> list[NodeArg]:
         """The model outputs as onnxruntime's ``get_outputs()`` gives them; see
-        :meth:`get_inputs`."""
+        `get_inputs`."""
         return list(self._io_node_args()[1])
 
     def _io_node_args(self) -> tuple[tuple[NodeArg, ...], tuple[NodeArg, ...]]:
@@ -351,7 +351,7 @@ class Session(AsyncResource):
 
         The first argument picks the form: a mapping (of input names to values) is aioep's,
         None, a list or a tuple (of output names) is onnxruntime's; anything else, a ``str``
-        included, is an :class:`InvalidArgument`. The keywords ``inputs`` /
+        included, is an `InvalidArgument`. The keywords ``inputs`` /
         ``output_location`` and ``output_names`` / ``input_feed`` / ``run_options`` name the
         forms' parameters too.
 
@@ -379,7 +379,7 @@ class Session(AsyncResource):
         ``terminate`` flag stops the run before its next step (or inside a step onnxruntime
         runs), and the options go to every call into onnxruntime's CPU execution provider
         (log levels, ``logid``, run config entries, active adapters apply there, not to the
-        steps of other EPs); anything else is an :class:`InvalidArgument`.
+        steps of other EPs); anything else is an `InvalidArgument`.
 
         Raises:
             InvalidArgument: bad arguments (an unknown input or output name, a value of the
@@ -441,7 +441,7 @@ class Session(AsyncResource):
     async def _run_ort(
         self, output_names: Any, input_feed: Any, run_options: Any, stream: Any
     ) -> list[OrtOutput]:
-        """onnxruntime's form of :meth:`run`, counted as in flight like :meth:`_run`."""
+        """onnxruntime's form of `run`, counted as in flight like `_run`."""
         names = self._selected_outputs(output_names)
         if not isinstance(input_feed, Mapping):
             pairs = isinstance(input_feed, (list, tuple))
