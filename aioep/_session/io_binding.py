@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
+from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
 from .._interop.foreign import import_value, is_foreign
 from .._streams.notification import Notification
@@ -67,7 +68,11 @@ class IOBinding:
             self._producer_work[key] = work
 
     # -- inputs ----------------------------------------------------------------------------
-    def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:
+    def bind_input(
+        self,
+        name: str,
+        value: Tensor | npt.NDArray[Any] | SupportsDLPack | SupportsCudaArrayInterface,
+    ) -> None:
         """Bind ``value`` (a tensor on any device the session can read, a numpy array, or
         another library's tensor: DLPack, CUDA Array Interface) to model input ``name``;
         it replaces what was bound there."""

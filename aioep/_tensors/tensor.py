@@ -497,7 +497,7 @@ def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
 _MAX_NDIM = 64  # numpy's limit
 
 
-def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = False) -> Tensor:
+def as_tensor(value: object, *, role: str, writable: bool = False) -> Tensor:
     """Accept a Tensor or a numpy array (wrapped zero-copy) for an argument named ``role``."""
     if isinstance(value, Tensor):
         return value
