@@ -81,7 +81,7 @@ _session_factory: list[Callable[..., Awaitable[Session]]] = []
 
 
 def set_session_factory(create: Callable[..., Awaitable[Session]]) -> None:
-    """Install the function behind :meth:`Environment.create_session`
+    """Install the function behind `Environment.create_session`
     (``aioep._session.session``)."""
     _session_factory[:] = [create]
 

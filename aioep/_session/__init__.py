@@ -1,6 +1,6 @@
 """Sessions and EPs: partition a model, compile its parts, run it.
 
-``session`` (:class:`~aioep.Session`), ``node_arg`` (inputs and outputs as onnxruntime's
+``session`` (`Session`), ``node_arg`` (inputs and outputs as onnxruntime's
 ``NodeArg``), ``plan`` (partition, compile, place initializers), ``run`` (one ``run``:
 inputs in, steps on their streams, outputs out),
 ``values`` (inputs and outputs, checked), ``workers`` (the session's threads),

@@ -82,7 +82,7 @@ class Runner:
         output_location: str,
         into: Mapping[str, Tensor] | None = None,
     ) -> dict[str, RunOutput]:
-        """One run of the plan; see :meth:`Session.run <aioep.Session.run>`. ``into``: graph
+        """One run of the plan; see `Session.run`. ``into``: graph
         outputs the producing EP may write straight into (pre-bound outputs)."""
         if output_location not in _LOCATIONS:
             raise InvalidArgument(

@@ -211,10 +211,10 @@ class Session(AsyncResource):
     """A model partitioned across execution providers; create it with
     ``await env.create_session(model, ep_devices=[...])``.
 
-    ``await session.run(inputs)`` returns a dict of output name -> :class:`Tensor`;
+    ``await session.run(inputs)`` returns a dict of output name -> [`Tensor`][aioep.Tensor];
     onnxruntime's form, ``await session.run(output_names, input_feed)``, a list of numpy
     arrays. Runs from many tasks may overlap: each run keeps its own state. ``async with``
-    (or :meth:`aclose`) closes the session's streams and releases its EPs.
+    (or [`aclose`][aioep.Session.aclose]) closes the session's streams and releases its EPs.
     """
 
     __slots__ = (
