@@ -12,11 +12,10 @@ import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
 from .._base.types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
-from .._base.validate import check_dtype
 from .._devices.host import HOST_EP_NAME
 from .._memory.allocator import Allocator
 from .._tensors.ownership import Origin, Scope
-from .._tensors.tensor import Tensor, _normalize_shape
+from .._tensors.tensor import Tensor, tensor_layout, tensor_over
 
 if TYPE_CHECKING:
     from .._devices.device import EpDevice
@@ -208,10 +207,6 @@ class SharedAllocators:
             allocator = self.get(memory_info)
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
-        dims = _normalize_shape(shape)
-        itemsize = check_dtype("empty", dtype).itemsize
-        nbytes = itemsize
-        for d in dims:
-            nbytes *= d
+        dims, dt, size, nbytes = tensor_layout("empty", shape, dtype)  # checked once, here
         buffer = allocator.alloc(nbytes, stream=stream)
-        return Tensor(buffer, dims, dtype)
+        return tensor_over(buffer, dims, dt, size, nbytes)

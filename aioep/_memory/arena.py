@@ -1,10 +1,11 @@
 """A stream-aware best-fit-with-coalescing (BFC) arena over any allocator (ORT's
 ``BFCArena`` / ``StreamAwareArena``).
 
-Three layers: the BFC core (``bfc``: bins, chunks, regions, split and merge, no
-streams or locks), the stream rule and locking here, and region sizing and give-back
-(``arena_regions``). The arena reserves large regions from a base allocator and the
-core carves them into chunks.
+Layers: the BFC core (``bfc``: bins, chunks, regions, split and merge, no streams or
+locks), the stream-aware pools (``arena_pool``: the stream rule, parked chunks, a
+core for small requests and one for large ones, growth), region sizing and give-back
+(``arena_regions``), and locking, buffers and statistics here. The arena reserves
+large regions from a base allocator and the cores carve them into chunks.
 
 Stream rule (ORT's, made a little stricter): a chunk freed by a buffer that was
 allocated on stream A remembers A and A's sync id at the time of the free (the
@@ -18,9 +19,11 @@ Otherwise the arena uses another chunk or extends.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+from collections.abc import Callable
 
-from .._base.errors import ClosedError, InUseError, InvalidArgument
+from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
 from .._streams.stream import SyncStream
 from .._tensors.tensor import Buffer
@@ -28,7 +31,7 @@ from .allocator import Allocator, check_nbytes, check_stream
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from .arena_regions import RegionReturns, free_handles
-from .bfc import MIN_ALLOCATION_SIZE, BfcCore, Chunk, Region
+from .bfc import MIN_ALLOCATION_SIZE, Chunk, Region
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 
@@ -46,20 +49,22 @@ _new_buffer = object.__new__
 
 
 class _ArenaBuffer(Buffer):
-    """An arena buffer: released by ``__del__`` (no ``weakref.finalize``) or :meth:`free`.
+    """An arena buffer: its release (``free()`` or the last reference going) hands the
+    chunk back to the arena.
 
-    ``_chunk`` is the arena chunk while the buffer holds it; the arena clears it under
-    its lock, so a buffer is released exactly once whichever way comes first. Each
-    arena makes a subclass with its ``memory_info`` and ``allocator``; what is the
+    ``_chunk`` is the arena chunk while the buffer holds it; the release clears it under
+    the arena's lock, so a buffer is released exactly once whichever way comes first.
+    Each arena makes a subclass with its ``memory_info`` and ``allocator``; what is the
     same for every arena buffer is a class attribute here, so creating one sets five
     slots.
     """
 
     __slots__ = ("_chunk",)
     _chunk: Chunk | None
+    allocator: ArenaAllocator
     readonly = False
     _pin_lock = _PIN_LOCK
-    _finalizer = None
+    _on_release = None
 
     @property
     def freed(self) -> bool:
@@ -72,23 +77,51 @@ class _ArenaBuffer(Buffer):
         chunk = self._chunk
         return None if chunk is None else chunk.region.handle._owner  # type: ignore[attr-defined]
 
-    def free(self) -> None:
-        # Reading _pins without the lock is safe: a concurrent _pin either comes first
-        # (the count is seen) or after the release, as with Buffer's lock.
-        if self._pins:
-            raise InUseError(
-                f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
-                f"used by {self._pins} operation(s) in flight; await them before freeing"
-            )
-        if self._chunk is not None:
-            self.allocator._release_buffer(self)  # type: ignore[union-attr]
+    def _release(self) -> None:
+        """The arena buffers' release path (see ``Buffer._release``): park the chunk for
+        its size class, or hand it to the arena's slower path."""
+        arena = self.allocator
+        lock = arena._lock
+        lock.acquire()
+        try:
+            chunk = self._chunk
+            if chunk is None:
+                return  # released already (by another thread, say)
+            self._chunk = None
+            # The hot path: a chunk nobody may still be using goes on its class's list
+            # (when it has room and keeps its order) or back to its core, where it merges,
+            # with no section of this thread running (else _busy) and nothing to watch or
+            # close. Neither creates objects (a new list would: that is the slow path).
+            if chunk.tag is None and not (
+                arena._busy or arena._closed or arena._retired or arena._returns.watch
+            ):
+                cls = chunk.cls
+                if cls:
+                    parked = arena._parked.get(cls)
+                    hot = (
+                        parked is not None
+                        and len(parked) < MAX_PARKED
+                        and (not parked or parked[-1].ptr > chunk.ptr)
+                    )
+                else:
+                    parked = None
+                    hot = not chunk.region.dedicated
+                if hot:
+                    arena._in_use -= chunk.size
+                    arena._live_buffers -= 1
+                    arena._bytes_in_use -= self.nbytes
+                    if parked is not None:
+                        parked.append(chunk)
+                    else:
+                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+                    return
+        finally:
+            lock.release()
+        arena._release_chunk(chunk, self.nbytes)
 
-    def __del__(self) -> None:
-        if self._chunk is not None:
-            try:
-                self.allocator._release_buffer(self)  # type: ignore[union-attr]
-            except Exception:  # pragma: no cover - nothing can be raised from a finalizer
-                pass
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if self._chunk is not None and not _finalizing():
+            self._release()
 
 
 class ArenaAllocator(Allocator):
@@ -117,10 +150,10 @@ class ArenaAllocator(Allocator):
         self._origin = base._origin  # an arena's memory belongs to whoever owns its base
         self._limit = config.limit
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
-        self._core = core = BfcCore(unit, config.max_dead_bytes_per_chunk)
-        self._returns = RegionReturns(core, lock, self._after_give_back)
+        self._returns = RegionReturns(lock, self._after_give_back)
         self._pool = pool = StreamPool(base, config, unit, self._returns)
-        self._fast = pool.fast  # the hot path reads the parked chunks directly
+        self._parked = pool.parked  # the hot paths read the parked chunks directly
+        self._stream_parked = pool.stream_parked
         # Buffers of this arena: memory info and allocator are class attributes (fewer
         # stores per buffer); _chunk ties a buffer to its chunk until it is released.
         self._buffer_class = type(
@@ -133,7 +166,7 @@ class ArenaAllocator(Allocator):
         # A finalizer can run a release on this thread while it is inside a locked section
         # (garbage collection); such a release is queued and done when the section ends.
         self._busy = False
-        self._deferred: list[Chunk] = []
+        self._deferred: list[tuple[Chunk, int]] = []
         self._in_use = 0  # bytes of chunks handed out (rounded), as ORT's InUse
         self._max_in_use = 0
         self._num_reserves = 0
@@ -147,17 +180,17 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
-        if stream is not None and not isinstance(stream, SyncStream):
+        if type(nbytes) is not int or nbytes <= 0 or self._closed or self._retired:
+            # Off the hot path (a plain int > 0 on an open arena): check each argument once.
             check_stream("arena", self.memory_info.name, stream)
-        if type(nbytes) is not int or nbytes <= 0:  # the hot path takes a plain int > 0
             check_nbytes("arena", self.memory_info.name, nbytes)
+            if self._closed or self._retired:
+                raise ClosedError(f"arena {self.memory_info.name!r} is closed")
             nbytes = int(nbytes)
             if nbytes == 0:
-                if self._closed or self._retired:
-                    raise ClosedError(f"arena {self.memory_info.name!r} is closed")
                 return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
-        if self._closed or self._retired:
-            raise ClosedError(f"arena {self.memory_info.name!r} is closed")
+        if stream is not None and not isinstance(stream, SyncStream):
+            check_stream("arena", self.memory_info.name, stream)
         # The size class (see _size_class), inlined, as this is the hot path.
         if nbytes > self._class_from:
             bits = (nbytes - 1).bit_length()
@@ -168,15 +201,56 @@ class ArenaAllocator(Allocator):
             rounded = (nbytes + unit - 1) // unit * unit
         lock = self._lock
         lock.acquire()
+        try:
+            # The fast path: parked chunks of this class only on this request's own list
+            # (else the lowest usable address among them wins, off this path); the lowest
+            # address is last. No new objects here, so no garbage collection (and no
+            # buffer's release) can run on this thread inside it.
+            if stream is None:
+                parked = self._parked.get(rounded)
+                if parked and rounded not in self._stream_parked:
+                    chunk = parked.pop()
+                    chunk.hot = True
+                else:
+                    chunk = self._take(nbytes, rounded, None)
+            else:
+                per = self._stream_parked.get(rounded)
+                parked = per.get(stream) if per is not None and len(per) == 1 else None
+                if parked and not self._parked.get(rounded):
+                    chunk = parked.pop()
+                    chunk.hot = True
+                    if not parked:  # streams come and go: no empty lists for them
+                        del self._stream_parked[rounded]
+                else:
+                    chunk = self._take(nbytes, rounded, stream)
+            self._in_use = in_use = self._in_use + chunk.size
+            if in_use > self._max_in_use:
+                self._max_in_use = in_use
+            self._live_buffers += 1
+            self._num_allocs += 1
+            self._bytes_in_use += nbytes
+        finally:
+            lock.release()
+        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
+        buffer.ptr = chunk.ptr
+        buffer.nbytes = nbytes
+        buffer.stream = stream
+        buffer._pins = 0
+        buffer._chunk = chunk
+        return buffer
+
+    def _take(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
+        """A chunk when the request's parked list is empty (lock held): a section of its own,
+        as it may create objects."""
         self._busy = True
         try:
-            chunk = self._take_locked(nbytes, rounded, stream)
+            chunk = self._pool.take(nbytes, rounded, stream, self._in_use)
+            chunk.tag = stream
+            if chunk.size > self._max_alloc_size:
+                self._max_alloc_size = chunk.size
         finally:
-            if self._deferred:
-                self._end_section()
-            self._busy = False
-            lock.release()
-        return self._buffer(chunk, nbytes, stream)
+            self._end_section()
+        return chunk
 
     def reserve(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
         """Allocate a dedicated region of ``nbytes`` straight from the base (ORT's ``Reserve``).
@@ -193,20 +267,16 @@ class ArenaAllocator(Allocator):
         with self._lock:
             self._busy = True
             try:
-                if nbytes > self._limit - self._core.reserved:
+                if nbytes > self._limit - self._pool.reserved:
                     why = "the reservation would pass the limit"
                     raise self._pool.oom(nbytes, nbytes, why, self._in_use)
                 chunk = self._pool.new_region(nbytes, dedicated=True).head
-                chunk.requested = nbytes
                 chunk.tag = stream
                 chunk.cls = 0  # never parked
                 self._num_reserves += 1
                 self._account_alloc(chunk.size, nbytes)
             finally:
                 self._end_section()
-        return self._buffer(chunk, nbytes, stream)
-
-    def _buffer(self, chunk: Chunk, nbytes: int, stream: SyncStream | None) -> Buffer:
         buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
         buffer.ptr = chunk.ptr
         buffer.nbytes = nbytes
@@ -224,6 +294,7 @@ class ArenaAllocator(Allocator):
         with self._lock:
             self._busy = True
             try:
+                self._pool.flush()
                 self._pool.reset_passed_streams()
                 gone = self._pool.take_free_regions()
                 self._pool.shrinkages += len(gone)
@@ -255,14 +326,14 @@ class ArenaAllocator(Allocator):
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,
-                "TotalAllocated": self._core.reserved,
+                "TotalAllocated": self._pool.reserved,
                 "MaxInUse": self._max_in_use,
                 "NumAllocs": self._num_allocs,
                 "NumReserves": self._num_reserves,
                 "NumArenaExtensions": self._pool.sizer.extensions,
                 "NumArenaShrinkages": self._pool.shrinkages,
                 "MaxAllocSize": self._max_alloc_size,
-                "LargestFreeBlock": self._core.largest_free(),
+                "LargestFreeBlock": self._pool.largest_free(),
                 "LiveBuffers": self._live_buffers,
                 "InUseRequested": self._bytes_in_use,
                 "MaxTotalAllocated": self._pool.max_reserved,
@@ -274,12 +345,12 @@ class ArenaAllocator(Allocator):
         with self._lock:
             if not self._busy:
                 self._pool.flush()
-            return [(c.ptr, c.size, c.in_use, c.tag) for c in self._core.walk()]  # type: ignore[misc]
+            return [(c.ptr, c.size, c.in_use, c.tag) for c in self._pool.walk()]  # type: ignore[misc]
 
     def regions(self) -> list[tuple[int, int]]:
         """Every region as ``(ptr, size)`` in address order."""
         with self._lock:
-            return sorted((r.ptr, r.size) for r in self._core.regions)
+            return sorted((r.ptr, r.size) for r in self._pool.regions())
 
     # -- the Allocator hooks (unused: alloc and the buffer's release do the work) -------------
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:  # pragma: no cover
@@ -292,9 +363,10 @@ class ArenaAllocator(Allocator):
         with self._lock:
             self._busy = True
             try:
+                self._pool.flush()
                 self._pool.reset_passed_streams()
                 gone = self._pool.take_free_regions()
-                pending = [r for r in self._core.regions if r.wholly_free]
+                pending = [r for r in self._pool.regions() if r.wholly_free]
             finally:
                 self._end_section()
         free_handles(gone)
@@ -302,99 +374,31 @@ class ArenaAllocator(Allocator):
         self._returns.watch_all(pending, closed=True)
         self._maybe_retire_base()
 
-    # -- taking and releasing chunks -----------------------------------------------------------
-    def _take_locked(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
-        """A chunk of class ``rounded`` for a request, counted (lock held, in a section)."""
-        per = self._fast.get(rounded)
-        # The fast path: only this stream (or, for a host request, nobody) has parked
-        # chunks of this class; the lowest address is last.
-        if per is not None and len(per) == 1 and (parked := per.get(stream)):
-            chunk = parked.pop()
-            if not parked and stream is not None:
-                del per[stream]  # streams come and go: no empty lists for them
-            size = chunk.size
-        else:
-            chunk = self._pool.take(nbytes, rounded, stream, self._in_use)
-            size = chunk.size
-            if size > self._max_alloc_size:
-                self._max_alloc_size = size
-        chunk.requested = nbytes
-        chunk.tag = stream
-        chunk.cls = rounded
-        self._in_use = in_use = self._in_use + size
-        if in_use > self._max_in_use:
-            self._max_in_use = in_use
-        self._live_buffers += 1
-        self._num_allocs += 1
-        self._bytes_in_use = requested = self._bytes_in_use + nbytes
-        if requested > self._peak_bytes_in_use:
-            self._peak_bytes_in_use = requested
-        return chunk
-
-    def _free_chunk(self, chunk: Chunk) -> Region | None:
-        """Take back a chunk whose buffer was freed (lock held, in a section): park it or
-        free it in the core; returns a region to give back (see StreamPool.put_back)."""
+    # -- releasing chunks ----------------------------------------------------------------------
+    def _free_chunk(self, chunk: Chunk, nbytes: int) -> Region | None:
+        """Take back a chunk whose buffer of ``nbytes`` was freed (lock held, in a section):
+        park it or free it in its core; returns a region to give back (see
+        StreamPool.put_back)."""
         self._in_use -= chunk.size
         self._live_buffers -= 1
-        self._bytes_in_use -= chunk.requested
-        if chunk.tag is None and not self._closed:
-            # A host chunk of a parked class (reserved chunks have class 0): the fast path.
-            per = self._fast.get(chunk.cls)
-            if per is not None:
-                parked = per.get(None)
-                if parked is None:
-                    per[None] = [chunk]
-                    return None
-                if not parked or (len(parked) < MAX_PARKED and parked[-1].ptr > chunk.ptr):
-                    parked.append(chunk)
-                    return None
+        self._bytes_in_use -= nbytes
         return self._pool.put_back(chunk, closed=self._closed)
 
-    def _release_buffer(self, buffer: _ArenaBuffer) -> None:
-        """An arena buffer was freed or dropped (from any thread): return its chunk once."""
-        lock = self._lock
-        lock.acquire()
-        chunk = buffer._chunk
-        if chunk is None:  # another thread released it meanwhile
-            lock.release()
-            return
-        buffer._chunk = None
-        if self._busy or self._returns.watch or self._retired or self._closed:
-            lock.release()
-            self._release_chunk(chunk)
-            return
-        # The hot path: no section of this thread is running (else _busy), nothing to
-        # watch or close.
-        self._busy = True
-        try:
-            gone = self._free_chunk(chunk)
-        finally:
-            if self._deferred:
-                self._end_section()
-            self._busy = False
-            watch = self._returns.take_watch() if self._returns.watch else None
-            lock.release()
-        if gone is not None:
-            free_handles([gone])
-        if watch:
-            self._returns.watch_all(watch, closed=False)
-
-    def _release_chunk(self, chunk: Chunk) -> None:
-        """Return a chunk whose buffer was freed (from any thread)."""
+    def _release_chunk(self, chunk: Chunk, nbytes: int) -> None:
+        """Return a chunk whose buffer of ``nbytes`` was released, off the buffer's hot
+        path (from any thread; lock not held)."""
         with self._lock:
             if self._busy:
-                self._deferred.append(chunk)  # a finalizer inside our own locked section
+                self._deferred.append((chunk, nbytes))  # a release inside our own section
                 return
             self._busy = True
             try:
-                gone = self._free_chunk(chunk)
+                gone = self._free_chunk(chunk, nbytes)
             finally:
-                if self._deferred:
-                    self._end_section()
-                self._busy = False
+                self._end_section()
             watch = self._returns.take_watch()
             if gone is None and not watch and not self._retired and not self._closed:
-                return  # the hot path
+                return
             close_now = self._retired and self._live_buffers == 0 and not self._closed
             closed = self._closed
         if gone is not None:
@@ -408,8 +412,8 @@ class ArenaAllocator(Allocator):
     def _end_section(self) -> None:
         # Called with the lock held: run releases that finalizers queued meanwhile.
         while self._deferred:
-            chunk = self._deferred.pop()
-            self._free_chunk(chunk)
+            chunk, nbytes = self._deferred.pop()
+            self._free_chunk(chunk, nbytes)
         self._busy = False
 
     # -- internals ---------------------------------------------------------------------------
@@ -419,7 +423,8 @@ class ArenaAllocator(Allocator):
             bits = (nbytes - 1).bit_length()
             step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))
             return (nbytes + step - 1) & -step
-        return self._core.round(nbytes)
+        unit = self._unit
+        return (nbytes + unit - 1) // unit * unit
 
     def _account_alloc(self, size: int, nbytes: int) -> None:
         self._in_use += size
@@ -439,12 +444,12 @@ class ArenaAllocator(Allocator):
 
     def _maybe_retire_base(self) -> None:
         with self._lock:
-            done = not self._core.regions
+            done = not self._pool.regions()
         if done:
             self.base.retire()
 
     def __repr__(self) -> str:
         return (
             f"<ArenaAllocator {self.memory_info.name!r} in_use={self._in_use} "
-            f"reserved={self._core.reserved} live={self._live_buffers}>"
+            f"reserved={self._pool.reserved} live={self._live_buffers}>"
         )
