@@ -199,12 +199,11 @@ class SharedAllocators:
         """An uninitialised tensor from the shared allocator of ``memory_info`` (default: host)."""
         if memory_info is None:
             allocator = self.host
+        elif isinstance(memory_info, MemoryInfo):
+            entry = self._shared.get(memory_info.device)
+            allocator = entry.allocator if entry is not None else self.get(memory_info)
         else:
-            if not isinstance(memory_info, MemoryInfo):
-                raise InvalidArgument(
-                    f"empty: memory_info must be a MemoryInfo, got {memory_info!r}"
-                )
-            allocator = self.get(memory_info)
+            raise InvalidArgument(f"empty: memory_info must be a MemoryInfo, got {memory_info!r}")
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
         dims, dt, size, nbytes = tensor_layout("empty", shape, dtype)  # checked once, here

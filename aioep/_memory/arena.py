@@ -19,9 +19,7 @@ Otherwise the arena uses another chunk or extends.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
-from collections.abc import Callable
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
@@ -52,9 +50,10 @@ class _ArenaBuffer(Buffer):
     """An arena buffer: its release (``free()`` or the last reference going) hands the
     chunk back to the arena.
 
-    ``_chunk`` is the arena chunk while the buffer holds it; the release clears it under
-    the arena's lock, so a buffer is released exactly once whichever way comes first.
-    Each arena makes a subclass with its ``memory_info`` and ``allocator``; what is the
+    ``_chunk`` is the arena chunk until the arena takes it back; the arena clears it
+    under its lock, so a chunk comes back exactly once however often (and from however
+    many threads) the buffer is released. Each arena makes subclasses with its
+    ``memory_info`` and ``allocator`` (and, for host requests, ``stream``); what is the
     same for every arena buffer is a class attribute here, so creating one sets five
     slots.
     """
@@ -67,10 +66,6 @@ class _ArenaBuffer(Buffer):
     _on_release = None
 
     @property
-    def freed(self) -> bool:
-        return self._chunk is None
-
-    @property
     def _owner(self) -> object:  # type: ignore[override]
         # Views of host memory hold the region's backing object, so reading a freed
         # buffer through a view never touches unmapped memory.
@@ -78,50 +73,27 @@ class _ArenaBuffer(Buffer):
         return None if chunk is None else chunk.region.handle._owner  # type: ignore[attr-defined]
 
     def _release(self) -> None:
-        """The arena buffers' release path (see ``Buffer._release``): park the chunk for
-        its size class, or hand it to the arena's slower path."""
+        """The arena buffers' release path (see ``Buffer._release``): the buffer joins the
+        arena's returned list, whose chunks the arena's next locked call takes back
+        (``ArenaAllocator._drain``). Appending to a list needs no lock, so a release never
+        waits for the arena, and a release that runs inside the arena's own locked code
+        (garbage collection calling ``__del__``) changes nothing under it. Memory that
+        must go back to the base at once (a reserved region, a closing arena) is taken
+        back now where the lock is free."""
+        if self._released:
+            return
+        self._released = True
+        chunk = self._chunk
+        if chunk is None:
+            return
+        stream = chunk.tag
+        if stream is not None:
+            # The point in the stream's order after the work that used this chunk.
+            chunk.mark = stream._sync_id  # type: ignore[attr-defined]
         arena = self.allocator
-        lock = arena._lock
-        lock.acquire()
-        try:
-            chunk = self._chunk
-            if chunk is None:
-                return  # released already (by another thread, say)
-            self._chunk = None
-            # The hot path: a chunk nobody may still be using goes on its class's list
-            # (when it has room and keeps its order) or back to its core, where it merges,
-            # with no section of this thread running (else _busy) and nothing to watch or
-            # close. Neither creates objects (a new list would: that is the slow path).
-            if chunk.tag is None and not (
-                arena._busy or arena._closed or arena._retired or arena._returns.watch
-            ):
-                cls = chunk.cls
-                if cls:
-                    parked = arena._parked.get(cls)
-                    hot = (
-                        parked is not None
-                        and len(parked) < MAX_PARKED
-                        and (not parked or parked[-1].ptr > chunk.ptr)
-                    )
-                else:
-                    parked = None
-                    hot = not chunk.region.dedicated
-                if hot:
-                    arena._in_use -= chunk.size
-                    arena._live_buffers -= 1
-                    arena._bytes_in_use -= self.nbytes
-                    if parked is not None:
-                        parked.append(chunk)
-                    else:
-                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-                    return
-        finally:
-            lock.release()
-        arena._release_chunk(chunk, self.nbytes)
-
-    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        if self._chunk is not None and not _finalizing():
-            self._release()
+        arena._returned.append(self)
+        if chunk.cls < 0 or not arena._lazy:
+            arena._settle()
 
 
 class ArenaAllocator(Allocator):
@@ -144,7 +116,7 @@ class ArenaAllocator(Allocator):
         elif not isinstance(config, ArenaConfig):
             raise InvalidArgument(f"ArenaAllocator: config must be an ArenaConfig, got {config!r}")
         super().__init__(dataclasses.replace(base.memory_info, allocator_type=AllocatorType.ARENA))
-        self._lock = lock = threading.RLock()  # type: ignore[assignment]  # see _busy
+        self._lock = lock = threading.RLock()  # type: ignore[assignment]
         self.base = base
         self.config = config
         self._origin = base._origin  # an arena's memory belongs to whoever owns its base
@@ -154,19 +126,23 @@ class ArenaAllocator(Allocator):
         self._pool = pool = StreamPool(base, config, unit, self._returns)
         self._parked = pool.parked  # the hot paths read the parked chunks directly
         self._stream_parked = pool.stream_parked
-        # Buffers of this arena: memory info and allocator are class attributes (fewer
-        # stores per buffer); _chunk ties a buffer to its chunk until it is released.
-        self._buffer_class = type(
-            "_ArenaBuffer",
-            (_ArenaBuffer,),
-            {"__slots__": (), "memory_info": self.memory_info, "allocator": self},
+        # Buffers of this arena: memory info and allocator (and a host request's stream)
+        # are class attributes, so a buffer is five stores.
+        attrs = {"__slots__": (), "memory_info": self.memory_info, "allocator": self}
+        self._buffer_class: type[_ArenaBuffer] = type("_ArenaBuffer", (_ArenaBuffer,), attrs)
+        self._host_buffer_class: type[_ArenaBuffer] = type(
+            "_ArenaBuffer", (self._buffer_class,), {"__slots__": (), "stream": None}
         )
         # Size classes need a power-of-two unit; otherwise every size is its own class.
         self._class_from = unit << (_CLASS_BITS + 1) if unit & (unit - 1) == 0 else SIZE_MAX
-        # A finalizer can run a release on this thread while it is inside a locked section
-        # (garbage collection); such a release is queued and done when the section ends.
-        self._busy = False
-        self._deferred: list[tuple[Chunk, int]] = []
+        # Released buffers whose chunks the next locked call takes back (appended without
+        # the lock: see _ArenaBuffer._release), and the work such a call leaves for after
+        # the lock (regions to give back).
+        self._returned: list[_ArenaBuffer] = []
+        self._gone: list[Region] = []
+        self._after = False  # work for _finish: regions to give back, a prompt release
+        self._lazy = True  # open and not retired: a released chunk may wait for the next call
+        self._section = False  # locked code that may run anything (so a release re-enters)
         self._in_use = 0  # bytes of chunks handed out (rounded), as ORT's InUse
         self._max_in_use = 0
         self._num_reserves = 0
@@ -180,7 +156,7 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
-        if type(nbytes) is not int or nbytes <= 0 or self._closed or self._retired:
+        if type(nbytes) is not int or nbytes <= 0 or not self._lazy:
             # Off the hot path (a plain int > 0 on an open arena): check each argument once.
             check_stream("arena", self.memory_info.name, stream)
             check_nbytes("arena", self.memory_info.name, nbytes)
@@ -189,7 +165,7 @@ class ArenaAllocator(Allocator):
             nbytes = int(nbytes)
             if nbytes == 0:
                 return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
-        if stream is not None and not isinstance(stream, SyncStream):
+        elif stream is not None and not isinstance(stream, SyncStream):
             check_stream("arena", self.memory_info.name, stream)
         # The size class (see _size_class), inlined, as this is the hot path.
         if nbytes > self._class_from:
@@ -202,15 +178,40 @@ class ArenaAllocator(Allocator):
         lock = self._lock
         lock.acquire()
         try:
+            chunk = None
+            returned = self._returned
+            if returned:
+                last = returned[-1]
+                held = last._chunk
+                if (
+                    stream is None
+                    and held is not None
+                    and held.cls == rounded
+                    and held.tag is None
+                    and len(returned) == 1
+                    and not self._parked.get(rounded)
+                    and rounded not in self._stream_parked
+                ):
+                    # The one buffer released since the last call holds this class, and
+                    # nothing else is parked for it: taking its chunk back and handing it
+                    # out again (what _drain and the fast path below would do) is a swap.
+                    returned.pop()
+                    last._chunk = None
+                    self._in_use -= held.size
+                    self._live_buffers -= 1
+                    self._bytes_in_use -= last.nbytes
+                    chunk = held
+                else:
+                    self._drain()
             # The fast path: parked chunks of this class only on this request's own list
             # (else the lowest usable address among them wins, off this path); the lowest
-            # address is last. No new objects here, so no garbage collection (and no
-            # buffer's release) can run on this thread inside it.
-            if stream is None:
+            # address is last.
+            if chunk is not None:
+                pass
+            elif stream is None:
                 parked = self._parked.get(rounded)
                 if parked and rounded not in self._stream_parked:
                     chunk = parked.pop()
-                    chunk.hot = True
                 else:
                     chunk = self._take(nbytes, rounded, None)
             else:
@@ -218,7 +219,6 @@ class ArenaAllocator(Allocator):
                 parked = per.get(stream) if per is not None and len(per) == 1 else None
                 if parked and not self._parked.get(rounded):
                     chunk = parked.pop()
-                    chunk.hot = True
                     if not parked:  # streams come and go: no empty lists for them
                         del self._stream_parked[rounded]
                 else:
@@ -231,25 +231,31 @@ class ArenaAllocator(Allocator):
             self._bytes_in_use += nbytes
         finally:
             lock.release()
-        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
+        if self._after:
+            self._finish()
+        buffer: _ArenaBuffer
+        if stream is None:
+            buffer = _new_buffer(self._host_buffer_class)  # its class says stream None
+        else:
+            buffer = _new_buffer(self._buffer_class)
+            buffer.stream = stream
         buffer.ptr = chunk.ptr
         buffer.nbytes = nbytes
-        buffer.stream = stream
         buffer._pins = 0
+        buffer._released = False
         buffer._chunk = chunk
         return buffer
 
     def _take(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
-        """A chunk when the request's parked list is empty (lock held): a section of its own,
-        as it may create objects."""
-        self._busy = True
+        """A chunk when the request's parked list is empty (lock held)."""
+        self._section = True
         try:
             chunk = self._pool.take(nbytes, rounded, stream, self._in_use)
             chunk.tag = stream
             if chunk.size > self._max_alloc_size:
                 self._max_alloc_size = chunk.size
         finally:
-            self._end_section()
+            self._section = False
         return chunk
 
     def reserve(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
@@ -264,24 +270,29 @@ class ArenaAllocator(Allocator):
             raise ClosedError(f"arena {self.memory_info.name!r} is closed")
         if nbytes == 0:
             return super().alloc(0, stream=stream)
-        with self._lock:
-            self._busy = True
-            try:
-                if nbytes > self._limit - self._pool.reserved:
-                    why = "the reservation would pass the limit"
-                    raise self._pool.oom(nbytes, nbytes, why, self._in_use)
-                chunk = self._pool.new_region(nbytes, dedicated=True).head
-                chunk.tag = stream
-                chunk.cls = 0  # never parked
-                self._num_reserves += 1
-                self._account_alloc(chunk.size, nbytes)
-            finally:
-                self._end_section()
+        self._begin()
+        try:
+            if nbytes > self._limit - self._pool.reserved:
+                why = "the reservation would pass the limit"
+                raise self._pool.oom(nbytes, nbytes, why, self._in_use)
+            chunk = self._pool.new_region(nbytes, dedicated=True).head
+            chunk.tag = stream
+            chunk.cls = -1  # never parked, and given back at once when released
+            self._num_reserves += 1
+            self._in_use += chunk.size
+            self._max_in_use = max(self._max_in_use, self._in_use)
+            self._max_alloc_size = max(self._max_alloc_size, chunk.size)
+            self._live_buffers += 1
+            self._num_allocs += 1
+            self._bytes_in_use += nbytes
+        finally:
+            self._end()
         buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
         buffer.ptr = chunk.ptr
         buffer.nbytes = nbytes
         buffer.stream = stream
         buffer._pins = 0
+        buffer._released = False
         buffer._chunk = chunk
         return buffer
 
@@ -291,15 +302,14 @@ class ArenaAllocator(Allocator):
         A region whose memory a stream may still be using (freed on a stream that
         has not passed that point) is kept.
         """
-        with self._lock:
-            self._busy = True
-            try:
-                self._pool.flush()
-                self._pool.reset_passed_streams()
-                gone = self._pool.take_free_regions()
-                self._pool.shrinkages += len(gone)
-            finally:
-                self._end_section()
+        self._begin()
+        try:
+            self._pool.flush()
+            self._pool.reset_passed_streams()
+            gone = self._pool.take_free_regions()
+            self._pool.shrinkages += len(gone)
+        finally:
+            self._end()
         freed = free_handles(gone)
         if self._returns.polled:
             freed += self._returns.give_back_polled()
@@ -308,21 +318,20 @@ class ArenaAllocator(Allocator):
     def release_stream_buffers(self, stream: SyncStream) -> None:
         """Forget ``stream`` on its free chunks so any stream can take them (ORT's
         ``ReleaseStreamBuffers``); call it once the stream's work is complete."""
-        with self._lock:
-            self._busy = True
-            try:
-                self._pool.release_stream(stream)
-            finally:
-                self._end_section()
+        self._begin()
+        try:
+            self._pool.release_stream(stream)
+        finally:
+            self._end()
 
     def stats(self) -> dict[str, int]:
         """ORT's arena statistics (``Limit``, ``InUse``, ``TotalAllocated``, ``MaxInUse``,
         ``NumAllocs``, ``NumReserves``, ``NumArenaExtensions``, ``NumArenaShrinkages``,
         ``MaxAllocSize``, ``LargestFreeBlock``) plus ``LiveBuffers``, ``InUseRequested``
         and ``MaxTotalAllocated``. Sizes are bytes; in-use sizes are rounded chunk sizes."""
-        with self._lock:
-            if not self._busy:
-                self._pool.flush()
+        self._begin()
+        try:
+            self._pool.flush()
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,
@@ -338,19 +347,49 @@ class ArenaAllocator(Allocator):
                 "InUseRequested": self._bytes_in_use,
                 "MaxTotalAllocated": self._pool.max_reserved,
             }
+        finally:
+            self._end()
+
+    @property
+    def live_buffers(self) -> int:
+        """Buffers handed out and not yet released."""
+        self._begin()
+        try:
+            return self._live_buffers
+        finally:
+            self._end()
 
     def chunks(self) -> list[tuple[int, int, bool, SyncStream | None]]:
         """Every chunk as ``(ptr, size, in_use, stream)`` in address order (for tests and
         debugging)."""
-        with self._lock:
-            if not self._busy:
-                self._pool.flush()
+        self._begin()
+        try:
+            self._pool.flush()
             return [(c.ptr, c.size, c.in_use, c.tag) for c in self._pool.walk()]  # type: ignore[misc]
+        finally:
+            self._end()
 
     def regions(self) -> list[tuple[int, int]]:
         """Every region as ``(ptr, size)`` in address order."""
-        with self._lock:
+        self._begin()
+        try:
             return sorted((r.ptr, r.size) for r in self._pool.regions())
+        finally:
+            self._end()
+
+    def retire(self) -> None:
+        """Stop handing out memory and close once the last live buffer is released."""
+        self._lazy = False
+        self._begin()
+        try:
+            self._retired = True
+        finally:
+            self._end()  # closes now when no buffer is live
+
+    def close(self) -> None:
+        """Stop handing out memory and give the regions back (see ``Allocator.close``)."""
+        self._lazy = False
+        super().close()
 
     # -- the Allocator hooks (unused: alloc and the buffer's release do the work) -------------
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:  # pragma: no cover
@@ -360,61 +399,121 @@ class ArenaAllocator(Allocator):
         pass  # only zero-byte buffers come through the base class, and they hold no memory
 
     def _close(self) -> None:
-        with self._lock:
-            self._busy = True
-            try:
-                self._pool.flush()
-                self._pool.reset_passed_streams()
-                gone = self._pool.take_free_regions()
-                pending = [r for r in self._pool.regions() if r.wholly_free]
-            finally:
-                self._end_section()
+        self._begin()
+        try:
+            self._pool.flush()
+            self._pool.reset_passed_streams()
+            gone = self._pool.take_free_regions()
+            pending = [r for r in self._pool.regions() if r.wholly_free]
+        finally:
+            self._end()
         free_handles(gone)
         # Wholly free regions that a stream may still be using go back once it passes them.
         self._returns.watch_all(pending, closed=True)
         self._maybe_retire_base()
 
-    # -- releasing chunks ----------------------------------------------------------------------
-    def _free_chunk(self, chunk: Chunk, nbytes: int) -> Region | None:
-        """Take back a chunk whose buffer of ``nbytes`` was freed (lock held, in a section):
-        park it or free it in its core; returns a region to give back (see
-        StreamPool.put_back)."""
-        self._in_use -= chunk.size
-        self._live_buffers -= 1
-        self._bytes_in_use -= nbytes
-        return self._pool.put_back(chunk, closed=self._closed)
+    # -- taking chunks back ----------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Enter a locked section that may run anything, with released chunks taken back."""
+        self._lock.acquire()
+        self._section = True
+        if self._returned:
+            self._drain()
 
-    def _release_chunk(self, chunk: Chunk, nbytes: int) -> None:
-        """Return a chunk whose buffer of ``nbytes`` was released, off the buffer's hot
-        path (from any thread; lock not held)."""
+    def _end(self) -> None:
+        """Leave a section: take back what was released meanwhile, then (lock released)
+        give back regions, watch the ones a stream may still use, and close if retired
+        and no buffer is live."""
+        try:
+            if self._returned:
+                self._drain()
+        finally:
+            self._section = False
+            self._lock.release()
+        self._finish()
+
+    def _drain(self) -> None:
+        """Take back the chunks of released buffers (lock held): park each, or free it in
+        its core; regions that became wholly free wait in ``_gone`` for ``_finish``."""
+        returned = self._returned
+        section = self._section
+        self._section = True
+        try:
+            while returned:
+                buffer = returned.pop()
+                chunk = buffer._chunk
+                if chunk is None:
+                    continue  # released twice (by two threads): taken back once
+                buffer._chunk = None
+                self._in_use -= chunk.size
+                self._live_buffers -= 1
+                self._bytes_in_use -= buffer.nbytes
+                if chunk.tag is None and self._lazy:
+                    # The common cases inline: a parked class's list with room (kept
+                    # highest address first), or a large chunk back to its core.
+                    cls = chunk.cls
+                    if cls > 0:
+                        parked = self._parked.get(cls)
+                        if (
+                            parked is not None
+                            and len(parked) < MAX_PARKED
+                            and (not parked or parked[-1].ptr > chunk.ptr)
+                        ):
+                            parked.append(chunk)
+                            continue
+                    elif cls == 0:
+                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+                        continue
+                gone = self._pool.put_back(chunk, closed=self._closed)
+                if gone is not None:
+                    self._gone.append(gone)
+                self._after = True  # a region to give back or to watch, maybe
+        finally:
+            self._section = section
+
+    def _settle(self) -> None:
+        """Take released chunks back now, where no locked code is running (a release that
+        must not wait: a reserved region, a closing or retired arena). When the lock is
+        busy, its holder takes them back before it lets go (see ``_finish``)."""
+        lock = self._lock
+        if not lock.acquire(blocking=False):
+            self._after = True  # the holder settles once it lets go (see _finish)
+            return
+        if self._section:  # a release inside this thread's own section: it drains at its end
+            self._after = True
+            lock.release()
+            return
+        self._section = True
+        try:
+            self._drain()
+        finally:
+            self._section = False
+            lock.release()
+        self._finish()
+
+    def _finish(self) -> None:
+        """After a section (lock not held): give back the regions it freed, watch the ones
+        a stream may still use, close a retired arena with no live buffer, and take back
+        what was released while the lock was busy."""
         with self._lock:
-            if self._busy:
-                self._deferred.append((chunk, nbytes))  # a release inside our own section
-                return
-            self._busy = True
-            try:
-                gone = self._free_chunk(chunk, nbytes)
-            finally:
-                self._end_section()
-            watch = self._returns.take_watch()
-            if gone is None and not watch and not self._retired and not self._closed:
-                return
+            if self._section:
+                return  # re-entered from this thread's own section: its end does this
+            self._after = False
+            gone, self._gone = self._gone, []
+            watch = self._returns.take_watch() if self._returns.watch else []
             close_now = self._retired and self._live_buffers == 0 and not self._closed
             closed = self._closed
-        if gone is not None:
-            free_handles([gone])
-        self._returns.watch_all(watch, closed=closed)
+            again = bool(self._returned)
+        if gone:
+            free_handles(gone)
+        if watch:
+            self._returns.watch_all(watch, closed=closed)
         if close_now:
             self.close()
-        elif closed:
+        elif closed and (gone or watch):
             self._maybe_retire_base()
-
-    def _end_section(self) -> None:
-        # Called with the lock held: run releases that finalizers queued meanwhile.
-        while self._deferred:
-            chunk, nbytes = self._deferred.pop()
-            self._free_chunk(chunk, nbytes)
-        self._busy = False
+        if again:
+            self._settle()
 
     # -- internals ---------------------------------------------------------------------------
     def _size_class(self, nbytes: int) -> int:
@@ -425,18 +524,6 @@ class ArenaAllocator(Allocator):
             return (nbytes + step - 1) & -step
         unit = self._unit
         return (nbytes + unit - 1) // unit * unit
-
-    def _account_alloc(self, size: int, nbytes: int) -> None:
-        self._in_use += size
-        if self._in_use > self._max_in_use:
-            self._max_in_use = self._in_use
-        if size > self._max_alloc_size:
-            self._max_alloc_size = size
-        self._live_buffers += 1
-        self._num_allocs += 1
-        self._bytes_in_use += nbytes
-        if self._bytes_in_use > self._peak_bytes_in_use:
-            self._peak_bytes_in_use = self._bytes_in_use
 
     def _after_give_back(self) -> None:
         if self._closed:

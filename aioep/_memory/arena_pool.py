@@ -106,10 +106,10 @@ class StreamPool:
         self.max_reserved = 0
         self.shrinkages = 0
         self.tagged = False  # set once a stream allocates: free chunks may carry tags
-        # Bytes of hot parked chunks (see flush_run) given back to make room since the
-        # small pool last grew: once it passes the pool's size, the pool thrashes (its
-        # working set does not fit), and it grows instead of evicting more.
-        self.evicted_hot = 0
+        # Bytes of parked chunks given back to make room (see grow_and_find) since the
+        # small pool last grew: once they pass the pool's size, the pool thrashes (the
+        # fast path's working set does not fit in it), and it grows instead.
+        self.evicted = 0
         self.exact = config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED
 
     # -- the cores together -------------------------------------------------------------------
@@ -148,7 +148,6 @@ class StreamPool:
         if rounded <= PARK_MAX:
             chunk = self._take_parked(rounded, stream)
             if chunk is not None:
-                chunk.hot = True
                 return chunk
             chunk = self.find(self.small, rounded, stream)
             if chunk is None:
@@ -159,7 +158,6 @@ class StreamPool:
                 chunk = self.grow_and_find(nbytes, rounded, stream, in_use, LARGE)
         # Only small chunks of the small pool are parked when freed.
         chunk.cls = rounded if rounded <= PARK_MAX and chunk.region.core is self.small else 0
-        chunk.hot = False
         return chunk
 
     def _take_parked(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
@@ -249,8 +247,10 @@ class StreamPool:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
         # Parked chunks in the way go back before the arena grows (ORT reuses freed memory
-        # first), the fast path's working set too unless evicting it is thrashing.
-        if self.parked and self.flush_run(rounded, hot=self.evicted_hot < self.small.reserved):
+        # first), unless that keeps evicting more than the small pool holds: then the fast
+        # path's working set does not fit, and the pool grows instead (amortized: each
+        # growth follows at most the pool's size in evictions, and the pool doubles).
+        if self.parked and self.evicted < self.small.reserved and self.flush_run(rounded):
             chunk = self.find(self.small, rounded, stream)
             if chunk is not None:
                 return chunk
@@ -281,7 +281,7 @@ class StreamPool:
         """Under pressure (the arena cannot extend): the parked chunks in the way of the
         request go back, then every parked chunk, then the other pool is tried and the
         regions that became wholly free go back for one more extension."""
-        if self.parked and self.flush_run(rounded, hot=True):
+        if self.parked and self.flush_run(rounded):
             chunk = self.find(self.small, rounded, stream)
             if chunk is not None:
                 return chunk
@@ -348,7 +348,7 @@ class StreamPool:
             ) from exc
         region = self.cores[pool].add_region(buffer.ptr, size, buffer, dedicated=dedicated)
         if pool == SMALL:
-            self.evicted_hot = 0
+            self.evicted = 0
         reserved = self.reserved
         if reserved > self.max_reserved:
             self.max_reserved = reserved
@@ -367,17 +367,15 @@ class StreamPool:
 
     # -- giving back -------------------------------------------------------------------------
     def put_back(self, chunk: Chunk, *, closed: bool) -> Region | None:
-        """Take back a chunk whose buffer was freed: park it, or free it in its core.
+        """Take back a chunk whose buffer was released: park it, or free it in its core.
 
         Returns a region that is now wholly free and that no stream uses, removed from
         its core, for the caller to give back (outside its lock).
         """
         stream: SyncStream | None = chunk.tag  # type: ignore[assignment]
-        if stream is not None:
-            # The point in the stream's order after the work that used this chunk.
-            chunk.mark = stream._sync_id
-            if idle(stream):
-                chunk.tag = stream = None  # that work is done: anyone may take it
+        # A tagged chunk's mark is its stream's point at the release (set by the release).
+        if stream is not None and idle(stream):
+            chunk.tag = stream = None  # that work is done: anyone may take it
         region = chunk.region
         core: BfcCore = region.core  # type: ignore[assignment]
         if not region.dedicated and not closed:
@@ -422,17 +420,15 @@ class StreamPool:
             parked.insert(i, chunk)
         return True
 
-    def flush_run(self, rounded: int, *, hot: bool) -> bool:
+    def flush_run(self, rounded: int) -> bool:
         """Free just the parked chunks in the way of a request, and returns whether it did.
 
         It takes the smallest run of untagged free and parked chunks that would hold
         ``rounded`` bytes once merged, and within it the fewest chunks around its
-        largest free one; the other parked chunks stay for their sizes. Without
-        ``hot``, chunks reused from the fast path since they left the bins (the working
-        set) count as in use. Runs are found from the parked chunks (each run looked at
-        once), never by walking the regions.
+        largest free one; the other parked chunks stay for their sizes. Runs are found
+        from the parked chunks (each run looked at once), never by walking the regions.
         """
-        parked = {id(c) for chunks in self.parked.values() for c in chunks if hot or not c.hot}
+        parked = {id(c) for chunks in self.parked.values() for c in chunks}
         if not parked:
             return False
 
@@ -444,7 +440,7 @@ class StreamPool:
         best_size = 0
         for chunks in self.parked.values():
             for start in chunks:
-                if id(start) in seen or id(start) not in parked:
+                if id(start) in seen:
                     continue
                 while in_run(start.prev):
                     start = start.prev  # type: ignore[assignment]
@@ -475,7 +471,7 @@ class StreamPool:
                 hi += 1
                 size += right
         to_free = [c for c in best[lo : hi + 1] if c.in_use]
-        self.evicted_hot += sum(c.size for c in to_free if c.hot)
+        self.evicted += sum(c.size for c in to_free)
         for chunk in to_free:
             self.parked[chunk.cls].remove(chunk)
             self.small.free(chunk, None, chunk.mark)

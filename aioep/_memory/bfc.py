@@ -52,12 +52,11 @@ def bin_of(size: int) -> int:
 class Chunk:
     """A span of a region: in use, or free in a bin (dedicated regions' heads are never binned).
 
-    ``cls`` and ``hot`` belong to the layer above (the size class it was handed out
-    for, and whether it was reused without going back to the bins); the core never
-    reads them.
+    ``cls`` belongs to the layer above (the size class it was handed out for); the
+    core never reads it.
     """
 
-    __slots__ = ("cls", "hot", "in_use", "mark", "next", "prev", "ptr", "region", "size", "tag")
+    __slots__ = ("cls", "in_use", "mark", "next", "prev", "ptr", "region", "size", "tag")
 
     def __init__(self, ptr: int, size: int, region: Region) -> None:
         self.ptr = ptr
@@ -67,7 +66,6 @@ class Chunk:
         self.tag: object = None
         self.mark = 0
         self.cls = size
-        self.hot = False
         self.prev: Chunk | None = None
         self.next: Chunk | None = None
 
@@ -220,7 +218,6 @@ class BfcCore:
                 new.region = chunk.region
                 new.in_use = False
                 new.cls = rest
-                new.hot = False
                 new.tag = owner
                 new.mark = chunk.mark
                 new.prev = chunk
@@ -351,7 +348,6 @@ class BfcCore:
         new.region = chunk.region
         new.in_use = False
         new.cls = rest
-        new.hot = False
         new.tag = chunk.tag
         new.mark = chunk.mark
         new.prev = chunk
