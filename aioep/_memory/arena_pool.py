@@ -11,7 +11,8 @@ takes one of a large region when the arena cannot extend).
 
 The miss path never walks the chunks: best fit is a ``bisect`` per bin, the free
 chunks a stream may still use are indexed by stream in each core (``BfcCore.tagged``),
-and parked chunks are only looked at (a bounded number) when the arena cannot grow.
+and the search for parked chunks in a request's way starts from the parked chunks
+(at most ``MAX_PARKED`` per size class and stream), not from the regions.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class StreamPool:
     A chunk's ``tag`` is the stream it was allocated on while in use, and after the free
     the stream that may still use it (``None`` once that work is done); its ``mark`` is
     that stream's sync id at the free. Its ``cls`` is the size class it was handed out
-    for when it may be parked, else 0.
+    for when it may be parked, 0 when it may not, -1 for a reserved region's chunk.
 
     The fast path: a freed small chunk is parked in a short list per size class
     (highest address first, so ``pop()`` gives the lowest) that the next request of
@@ -239,9 +240,9 @@ class StreamPool:
     def grow_and_find(
         self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int, pool: int
     ) -> Chunk:
-        """A chunk once streams that passed their frees are untagged, else from a new
-        region of ``pool``, else (the arena cannot grow) after parked chunks go back and
-        from the other pool.
+        """A chunk once the parked chunks in the way go back (see below) or streams that
+        passed their frees are untagged, else from a new region of ``pool``, else (the
+        arena cannot grow) after every parked chunk goes back, and from the other pool.
 
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
