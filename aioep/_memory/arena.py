@@ -178,57 +178,33 @@ class ArenaAllocator(Allocator):
         lock = self._lock
         lock.acquire()
         try:
-            chunk = None
             returned = self._returned
             if returned:
                 last = returned[-1]
                 held = last._chunk
                 if (
-                    stream is None
-                    and held is not None
+                    held is not None
                     and held.cls == rounded
+                    and stream is None
                     and held.tag is None
                     and len(returned) == 1
                     and not self._parked.get(rounded)
                     and rounded not in self._stream_parked
                 ):
-                    # The one buffer released since the last call holds this class, and
+                    # The one buffer released since the last call holds this class and
                     # nothing else is parked for it: taking its chunk back and handing it
-                    # out again (what _drain and the fast path below would do) is a swap.
+                    # out again (what _drain and the fast path below would do) is handing
+                    # it over; its bytes stay in use.
                     returned.pop()
                     last._chunk = None
-                    self._in_use -= held.size
-                    self._live_buffers -= 1
-                    self._bytes_in_use -= last.nbytes
+                    self._num_allocs += 1
+                    self._bytes_in_use += nbytes - last.nbytes
                     chunk = held
                 else:
                     self._drain()
-            # The fast path: parked chunks of this class only on this request's own list
-            # (else the lowest usable address among them wins, off this path); the lowest
-            # address is last.
-            if chunk is not None:
-                pass
-            elif stream is None:
-                parked = self._parked.get(rounded)
-                if parked and rounded not in self._stream_parked:
-                    chunk = parked.pop()
-                else:
-                    chunk = self._take(nbytes, rounded, None)
+                    chunk = self._chunk_for(nbytes, rounded, stream)
             else:
-                per = self._stream_parked.get(rounded)
-                parked = per.get(stream) if per is not None and len(per) == 1 else None
-                if parked and not self._parked.get(rounded):
-                    chunk = parked.pop()
-                    if not parked:  # streams come and go: no empty lists for them
-                        del self._stream_parked[rounded]
-                else:
-                    chunk = self._take(nbytes, rounded, stream)
-            self._in_use = in_use = self._in_use + chunk.size
-            if in_use > self._max_in_use:
-                self._max_in_use = in_use
-            self._live_buffers += 1
-            self._num_allocs += 1
-            self._bytes_in_use += nbytes
+                chunk = self._chunk_for(nbytes, rounded, stream)
         finally:
             lock.release()
         if self._after:
@@ -245,6 +221,33 @@ class ArenaAllocator(Allocator):
         buffer._released = False
         buffer._chunk = chunk
         return buffer
+
+    def _chunk_for(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
+        """A chunk of class ``rounded`` for a request, counted (lock held): the fast path
+        when parked chunks of this class are only on the request's own list (else the
+        lowest usable address among them wins, off this path; the lowest is last)."""
+        if stream is None:
+            parked = self._parked.get(rounded)
+            if parked and rounded not in self._stream_parked:
+                chunk = parked.pop()
+            else:
+                chunk = self._take(nbytes, rounded, None)
+        else:
+            per = self._stream_parked.get(rounded)
+            parked = per.get(stream) if per is not None and len(per) == 1 else None
+            if parked and not self._parked.get(rounded):
+                chunk = parked.pop()
+                if not parked:  # streams come and go: no empty lists for them
+                    del self._stream_parked[rounded]
+            else:
+                chunk = self._take(nbytes, rounded, stream)
+        self._in_use = in_use = self._in_use + chunk.size
+        if in_use > self._max_in_use:
+            self._max_in_use = in_use
+        self._live_buffers += 1
+        self._num_allocs += 1
+        self._bytes_in_use += nbytes
+        return chunk
 
     def _take(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
         """A chunk when the request's parked list is empty (lock held)."""
