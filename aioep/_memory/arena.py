@@ -55,7 +55,7 @@ class _ArenaBuffer(Buffer):
     many threads) the buffer is released. Each arena makes subclasses with its
     ``memory_info`` and ``allocator`` (and, for host requests, ``stream``); what is the
     same for every arena buffer is a class attribute here, so creating one sets five
-    slots.
+    slots (six with a stream).
     """
 
     __slots__ = ("_chunk",)
@@ -427,13 +427,16 @@ class ArenaAllocator(Allocator):
         """Leave a section: take back what was released meanwhile, then (lock released)
         give back regions, watch the ones a stream may still use, and close if retired
         and no buffer is live."""
+        work = None
         try:
             if self._returned:
                 self._drain()
+            work = self._collect()
         finally:
             self._section = False
             self._lock.release()
-        self._finish()
+        if work is not None:
+            self._follow_up(*work)
 
     def _drain(self) -> None:
         """Take back the chunks of released buffers (lock held): park each, or free it in
@@ -476,37 +479,51 @@ class ArenaAllocator(Allocator):
 
     def _settle(self) -> None:
         """Take released chunks back now, where no locked code is running (a release that
-        must not wait: a reserved region, a closing or retired arena). When the lock is
-        busy, its holder takes them back before it lets go (see ``_finish``)."""
+        must not wait: a reserved region, a closing or retired arena). It never waits for
+        the lock: when the lock is busy, its holder does this before it is done (see
+        ``_finish``)."""
         lock = self._lock
         if not lock.acquire(blocking=False):
-            self._after = True  # the holder settles once it lets go (see _finish)
+            self._after = True
             return
         if self._section:  # a release inside this thread's own section: it drains at its end
             self._after = True
             lock.release()
             return
         self._section = True
+        work = None
         try:
             self._drain()
+            work = self._collect()
         finally:
             self._section = False
             lock.release()
-        self._finish()
+        if work is not None:
+            self._follow_up(*work)
 
     def _finish(self) -> None:
-        """After a section (lock not held): give back the regions it freed, watch the ones
-        a stream may still use, close a retired arena with no live buffer, and take back
-        what was released while the lock was busy."""
+        """After a call that left work behind (``_after``): see ``_follow_up``."""
         with self._lock:
             if self._section:
                 return  # re-entered from this thread's own section: its end does this
-            self._after = False
-            gone, self._gone = self._gone, []
-            watch = self._returns.take_watch() if self._returns.watch else []
-            close_now = self._retired and self._live_buffers == 0 and not self._closed
-            closed = self._closed
-            again = bool(self._returned)
+            work = self._collect()
+        self._follow_up(*work)
+
+    def _collect(self) -> tuple[list[Region], list[Region], bool, bool, bool]:
+        """The work for after the lock (lock held): regions to give back, regions to
+        watch, whether to close now, whether closed, whether releases are waiting."""
+        self._after = False
+        gone, self._gone = self._gone, []
+        watch = self._returns.take_watch() if self._returns.watch else []
+        close_now = self._retired and self._live_buffers == 0 and not self._closed
+        return gone, watch, close_now, self._closed, bool(self._returned)
+
+    def _follow_up(
+        self, gone: list[Region], watch: list[Region], close_now: bool, closed: bool, again: bool
+    ) -> None:
+        """Lock not held: give back the regions a section freed, watch the ones a stream
+        may still use, close a retired arena with no live buffer, and take back what was
+        released while the lock was busy."""
         if gone:
             free_handles(gone)
         if watch:
