@@ -447,7 +447,8 @@ class Environment(AsyncResource):
         stream: SyncStream | None = None,
     ) -> Tensor:
         """An uninitialised tensor from the shared allocator of ``memory_info`` (default: host)."""
-        self._check_open()
+        if self._state is not _State.OPEN:
+            self._check_open()
         return self._allocators.empty(shape, dtype, memory_info, stream)
 
     def create_sync_stream(

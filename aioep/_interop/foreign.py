@@ -314,7 +314,7 @@ def _from_host_dlpack(
     buffer._pins = 0
     buffer._released = False
     buffer._pin_lock = threading.Lock()
-    buffer._finalizer = None
+    buffer._on_release = None
     buffer._last_use = None
     buffer.producer = value
     return Tensor._over_array(array, buffer)
