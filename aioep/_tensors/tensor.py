@@ -122,7 +122,8 @@ class Buffer:
 
     @property
     def freed(self) -> bool:
-        """True once the memory went back to its allocator (or :meth:`free` was called)."""
+        """True once the memory went back to its allocator (or [`free`][aioep.Buffer.free] was
+        called)."""
         return self._released
 
     def free(self) -> None:
@@ -140,7 +141,7 @@ class Buffer:
 
     def _release(self) -> None:
         """Give the memory back now, exactly once however often and from whichever thread
-        it is called: the one release path. :meth:`free` ends here, and so does the
+        it is called: the one release path. `free` ends here, and so does the
         buffer's last reference going (``__del__``). Subclasses that hand memory back
         another way override it (the arena's buffers)."""
         lock = self._pin_lock
@@ -535,7 +536,7 @@ _DTYPES: dict[Any, np.dtype[Any]] = {}  # dtype-likes (names, types, dtypes) alr
 def tensor_over(
     buffer: Buffer, dims: tuple[int, ...], dtype: np.dtype[Any], size: int, nbytes: int
 ) -> Tensor:
-    """A tensor over the start of ``buffer`` for a layout that :func:`tensor_layout` gave
+    """A tensor over the start of ``buffer`` for a layout that `tensor_layout` gave
     (``env.empty``: shape and dtype are checked once, not again here).
 
     Raises:
