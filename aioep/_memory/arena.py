@@ -23,6 +23,7 @@ import threading
 from .._base.errors import ClosedError, InUseError, InvalidArgument
 from .._base.types import AllocatorType
 from .._streams.stream import SyncStream
+from .._tensors.exports import free_deferred, request_free
 from .._tensors.tensor import Buffer
 from .allocator import Allocator, check_nbytes, check_stream
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
@@ -63,7 +64,7 @@ class _ArenaBuffer(Buffer):
 
     @property
     def freed(self) -> bool:
-        return self._chunk is None
+        return self._chunk is None or free_deferred(self)
 
     @property
     def _owner(self) -> object:  # type: ignore[override]
@@ -80,7 +81,8 @@ class _ArenaBuffer(Buffer):
                 f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
                 f"used by {self._pins} operation(s) in flight; await them before freeing"
             )
-        if self._chunk is not None:
+        # While a DLPack export holds the memory, its release does the free (request_free).
+        if self._chunk is not None and not request_free(self):
             self.allocator._release_buffer(self)  # type: ignore[union-attr]
 
     def __del__(self) -> None:
