@@ -102,11 +102,6 @@ def free_deferred(buffer: Buffer) -> bool:
     return entry is not None and bool(entry[1])
 
 
-def is_held(buffer: Buffer) -> bool:
-    """True while a DLPack export holds ``buffer``."""
-    return bool(_holds) and buffer in _holds
-
-
 _live: weakref.WeakSet[ExportedMemory] = weakref.WeakSet()
 
 

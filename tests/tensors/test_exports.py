@@ -87,7 +87,7 @@ async def test_numpy_refusing_a_device_export_raises_cleanly_and_leaks_nothing(
     before = live_dlpack_exports()
     with no_unraisable():
         for _ in range(3):
-            with pytest.raises((BufferError, RuntimeError), match="[Uu]nsupported device"):
+            with pytest.raises((BufferError, RuntimeError), match=r"[Uu]nsupported device"):
                 np.from_dlpack(t)
     assert live_dlpack_exports() == before
     del t
