@@ -183,7 +183,10 @@ async def test_free_waits_for_the_dlpack_export(
     if host:
         for f in fresh:
             f.numpy()[:] = 2.0
-        export[:] = 7.0  # the consumer writes through its export
+        # The consumer writes through its export (numpy 1.x imports read-only: write as C).
+        sevens = np.full(256, 7.0, np.float32)
+        ctypes.memmove(export.ctypes.data, sevens.ctypes.data, nbytes)
+        np.testing.assert_array_equal(export, 7.0)
         for f in fresh:
             np.testing.assert_array_equal(f.numpy(), 2.0)
         del export
