@@ -34,9 +34,10 @@ __all__ = ["DEVICE_ALIGNMENT", "DeviceMemory", "PinnedAllocator", "SimAllocator"
 
 DEVICE_ALIGNMENT = 256  # what cudaMalloc guarantees
 _ADDRESS_SPACE_BITS = 44  # 16 TiB of address space per device
-# Address ranges, one per DeviceMemory in the process: 1 to 2**20 - 1 (a range past the
-# last would leave 64 bits). Numbers come round again only after a million sim devices.
-_RANGES = 1 << (64 - _ADDRESS_SPACE_BITS)
+# Address ranges, one per DeviceMemory in the process: 1 to 2**19 - 1, so that every address
+# fits a signed 64-bit int (what DLPack's int64 fields and many consumers assume). Numbers
+# come round again only after half a million sim devices.
+_RANGES = 1 << (63 - _ADDRESS_SPACE_BITS)
 _next_range = itertools.count()
 
 
