@@ -159,6 +159,11 @@ class IOBinding:
                     f"{where}: {type(value).__name__} is not C-contiguous (strides "
                     f"{imported.strides}); bind a contiguous tensor"
                 )
+            if imported.buffer.freed:
+                raise InvalidArgument(f"{where}: {imported!r} was freed")
+            if imported.buffer.allocator is not None:
+                # aioep memory that came back wrapped: its environment's rule applies.
+                check_owner(imported, self._env._scope, where)
             self._new_work = work
             return imported
         if isinstance(value, np.ndarray):

@@ -13,6 +13,7 @@ import numpy.typing as npt
 from .._base.errors import InUseError, InvalidArgument
 from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
 from .._base.validate import MAX_DIM, check_dtype, check_int, describe
+from .exports import ExportedMemory, free_deferred, note_handed_out, request_free
 
 if TYPE_CHECKING:
     from .._memory.allocator import Allocator
@@ -123,11 +124,15 @@ class Buffer:
     @property
     def freed(self) -> bool:
         """True once the memory went back to its allocator (or [`free`][aioep.Buffer.free] was
-        called)."""
-        return self._released
+        called; also while a DLPack export defers the free)."""
+        return self._released or free_deferred(self)
 
     def free(self) -> None:
         """Give the memory back to its allocator now; idempotent.
+
+        While a DLPack export of the buffer is alive (a consumer's array, an unconsumed
+        capsule), the buffer is marked freed at once and its memory goes back when the
+        last export is released, never to a new allocation while a consumer can use it.
 
         Raises:
             InUseError: a copy or load still uses this buffer.
@@ -137,6 +142,8 @@ class Buffer:
                 f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
                 f"used by {self._pins} operation(s) in flight; await them before freeing"
             )
+        if request_free(self):
+            return  # a DLPack export holds the memory: its last release frees it
         self._release()
 
     def _release(self) -> None:
@@ -414,7 +421,15 @@ class Tensor:
             if work is not None and stream != -1:
                 # Host memory has no stream to order: the data must be ready now.
                 work.wait()
-            arr = self.numpy()
+            if self.dtype.hasobject:
+                raise BufferError(f"{self!r} holds Python objects, which DLPack cannot export")
+            # numpy builds the capsule (its destructor and deleter are C); the array's base
+            # holds the buffer until the consumer lets go, so free() cannot hand the memory
+            # out meanwhile.
+            buffer = self.buffer
+            arr = ExportedMemory(
+                self.data_ptr, self.shape, self.dtype, buffer.readonly, self, buffer
+            ).array()
             if max_version is None:
                 return arr.__dlpack__(stream=stream)
             return arr.__dlpack__(stream=stream, max_version=max_version, **kwargs)
@@ -423,6 +438,19 @@ class Tensor:
             raise BufferError(
                 f"tensor in {self.memory_info.name!r} ({self.device}) has no DLPack export; "
                 "copy it to host memory first"
+            )
+        # The array API's dl_device and copy: a device tensor is exported where it is, never
+        # copied (a consumer asking for either gets BufferError, as the standard says).
+        if kwargs.get("copy"):
+            raise BufferError(
+                f"{self!r}: DLPack export with copy=True is not supported; copy it with "
+                "aioep.copy_tensors"
+            )
+        dl_device = kwargs.get("dl_device")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(
+                f"{self!r} is on DLPack device {self.__dlpack_device__()}, not {dl_device}; "
+                "copy it there with aioep.copy_tensors"
             )
         return exporter(self, stream)
 
@@ -447,6 +475,9 @@ class Tensor:
         if work is not None and work.stream is not None and not work.stream.closed:
             stream = work.stream
         handle = None if stream is None or getattr(stream, "closed", True) else stream.handle
+        # A consumer may hand this memory back to aioep wrapped in its own object: an
+        # import then finds this buffer, and its environment's ownership rule applies.
+        note_handed_out(self.buffer, (_DL_CUDA, dev.device_id))
         return {
             "version": 3,
             "shape": self.shape,
