@@ -7,7 +7,7 @@ The layouts follow ``dlpack.h`` (DLPack 1.1). A consumer that takes a capsule re
 destructor that the consumer now owns the managed tensor, and calls its deleter once done,
 also when it then refuses what the tensor describes.
 
-Export uses numpy's capsule machinery (see :func:`dlpack_capsule`): a capsule destructor
+Export uses numpy's capsule machinery (see `dlpack_capsule`): a capsule destructor
 or deleter written as a ctypes callback would run Python inside the interpreter's
 deallocation, where an exception may be in flight (``np.from_dlpack`` refusing a device
 tensor drops the capsule with its ``BufferError`` set), and ctypes cannot set that
@@ -215,9 +215,9 @@ class DLPackView:
     """What a consumed capsule describes: address of the first element (``byte_offset``
     included), device, shape, element strides (None: C-contiguous), dtype, read-only flag.
 
-    The view owns the producer's managed tensor: :meth:`release` calls its deleter (once);
+    The view owns the producer's managed tensor: `release` calls its deleter (once);
     until then the producer keeps the memory alive. ``managed`` is the managed tensor's
-    address (what :func:`exported_buffer` recognises aioep's own exports by).
+    address (what `exported_buffer` recognises aioep's own exports by).
     """
 
     __slots__ = (
@@ -413,7 +413,7 @@ def dlpack_capsule(
 
 
 def exported_buffer(view: DLPackView) -> Buffer | None:
-    """The aioep buffer whose export ``view`` was read from (a capsule :func:`dlpack_capsule`
+    """The aioep buffer whose export ``view`` was read from (a capsule `dlpack_capsule`
     made, whoever passed it on), or None."""
     export = _by_managed.get(view.managed)
     if export is None or export.buffer is None:

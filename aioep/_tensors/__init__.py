@@ -1,6 +1,6 @@
 """Tensors and buffers, and who owns a buffer's memory.
 
-``tensor`` (:class:`~aioep.Tensor`, :class:`~aioep.Buffer`, host memory info, DLPack export),
+``tensor`` (`Tensor`, `Buffer`, host memory info, DLPack export),
 ``exports`` (what a DLPack export holds, and the memory handed out to other libraries) and
 ``ownership`` (each allocator's origin, the check that keeps an environment to its own
 memory).

@@ -1,21 +1,21 @@
 """What aioep hands to other libraries, and how it finds its own memory when it comes back.
 
-A DLPack export holds its buffer (:meth:`Buffer.hold`): while a consumer (numpy, PyTorch,
-a capsule nobody consumed) still has it, :meth:`Buffer.free` only marks the buffer freed
+A DLPack export holds its buffer (`Buffer.hold`): while a consumer (numpy, PyTorch,
+a capsule nobody consumed) still has it, `Buffer.free` only marks the buffer freed
 and the memory goes back to its allocator when the last export is released, as a PyTorch
 storage outlives ``del tensor`` while a DLPack consumer holds it and JAX's
 ``Array.delete()`` waits for external references.
 
-The export itself is a numpy array over the exported memory (:class:`ExportedMemory` is
+The export itself is a numpy array over the exported memory (`ExportedMemory` is
 its base), and the capsule is the one numpy makes for it: numpy's capsule destructor and
 deleter are C functions that save the error indicator and take the GIL, so the DLPack
 protocol runs no Python of aioep's inside a destructor. Python runs only when numpy drops
-the array and the :class:`ExportedMemory` is deallocated (its ``__del__``), which CPython
+the array and the `ExportedMemory` is deallocated (its ``__del__``), which CPython
 runs with any error in flight set aside.
 
 Device memory that aioep handed out (a DLPack export, a ``__cuda_array_interface__``) is
-noted with its DLPack device (:func:`note_handed_out`), so that an import of that memory,
-whichever library wraps it by then, is recognised as that buffer (:func:`handed_out`) and
+noted with its DLPack device (`note_handed_out`), so that an import of that memory,
+whichever library wraps it by then, is recognised as that buffer (`handed_out`) and
 meets the ownership rule of its environment instead of being taken as foreign memory.
 """
 
@@ -52,7 +52,7 @@ _holds_lock = threading.RLock()
 
 
 def hold(buffer: Buffer) -> bool:
-    """Keep ``buffer``'s memory from going back to its allocator until :func:`unhold`;
+    """Keep ``buffer``'s memory from going back to its allocator until `unhold`;
     False (and no hold) when the buffer is already freed."""
     with _holds_lock:
         if buffer.freed:
@@ -66,7 +66,7 @@ def hold(buffer: Buffer) -> bool:
 
 
 def unhold(buffer: Buffer) -> None:
-    """Release one hold; the last one frees the buffer if :meth:`Buffer.free` was called
+    """Release one hold; the last one frees the buffer if `Buffer.free` was called
     meanwhile."""
     with _holds_lock:
         entry = _holds.get(buffer)
@@ -82,8 +82,8 @@ def unhold(buffer: Buffer) -> None:
 
 
 def request_free(buffer: Buffer) -> bool:
-    """Called by :meth:`Buffer.free`: True when holds defer the free (recorded here, done
-    by the last :func:`unhold`), False when the buffer may be freed now."""
+    """Called by `Buffer.free`: True when holds defer the free (recorded here, done
+    by the last `unhold`), False when the buffer may be freed now."""
     if not _holds:
         return False
     with _holds_lock:

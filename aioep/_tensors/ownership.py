@@ -15,8 +15,8 @@ the library registration that made it. A buffer's owner is its allocator's origi
   own memory imported back through DLPack or the CUDA Array Interface is not: the
   import resolves to the buffer that made it (``exports.handed_out``), so the rule
   below applies to it;
-- device memory of another environment is refused with :class:`InvalidArgument`
-  naming the owner, or with :class:`ClosedError` once that environment closed.
+- device memory of another environment is refused with `InvalidArgument`
+  naming the owner, or with `ClosedError` once that environment closed.
 """
 
 from __future__ import annotations
