@@ -20,6 +20,8 @@ from ._base.errors import InUseError as InUseError
 from ._base.errors import InvalidArgument as InvalidArgument
 from ._base.errors import NoSuchFile as NoSuchFile
 from ._base.errors import NotImplementedByEp as NotImplementedByEp
+from ._base.protocols import SupportsCudaArrayInterface as SupportsCudaArrayInterface
+from ._base.protocols import SupportsDLPack as SupportsDLPack
 from ._base.types import AllocatorType as AllocatorType
 from ._base.types import DeviceType as DeviceType
 from ._base.types import HardwareDevice as HardwareDevice
@@ -47,6 +49,7 @@ from ._session.ep import FusedGroup as FusedGroup
 from ._session.ep import IndexedSubGraph as IndexedSubGraph
 from ._session.ep import MetaDef as MetaDef
 from ._session.io_binding import IOBinding as IOBinding
+from ._session.node_arg import NodeArg as NodeArg
 from ._session.session import Session as Session
 from ._streams.notification import Notification as Notification
 from ._streams.stream import SyncStream as SyncStream
@@ -88,9 +91,12 @@ __all__ = [
     "MetaDef",
     "NoSuchFile",
     "Node",
+    "NodeArg",
     "NotImplementedByEp",
     "Notification",
     "Session",
+    "SupportsCudaArrayInterface",
+    "SupportsDLPack",
     "SyncStream",
     "Tensor",
     "ValueInfo",

@@ -114,6 +114,7 @@ TYPE_ONLY_UPWARD = {
         "_environment.registry",
     ): "the dispatcher reads the registered libraries",
     ("_external_data.loading", "_environment.environment"): "loads for the environment passed in",
+    ("_environment.environment", "_session.session"): "create_session's return type",
     ("_external_data.chunked_loader", "_environment.environment"): "copies through the environment",
     ("_external_data.chunked_loader", "_copies.future"): "the futures of its copies",
 }

@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -49,6 +49,11 @@ from .registry import BACKEND_GROUP, LibraryRegistry
 from .shared_allocators import SharedAllocators
 from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, Reservation, StreamLease
 
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+    from .._session.session import Session
+
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 
 MAX_STREAM_POOL_SIZE = 1024
@@ -72,10 +77,10 @@ class _State(enum.Enum):
 # Sessions sit in the layer above the environment: aioep._session.session hands its
 # create_session in here when it is imported (aioep/__init__.py imports it), so no import
 # goes upward.
-_session_factory: list[Callable[..., Awaitable[Any]]] = []
+_session_factory: list[Callable[..., Awaitable[Session]]] = []
 
 
-def set_session_factory(create: Callable[..., Awaitable[Any]]) -> None:
+def set_session_factory(create: Callable[..., Awaitable[Session]]) -> None:
     """Install the function behind `Environment.create_session`
     (``aioep._session.session``)."""
     _session_factory[:] = [create]
@@ -442,7 +447,8 @@ class Environment(AsyncResource):
         stream: SyncStream | None = None,
     ) -> Tensor:
         """An uninitialised tensor from the shared allocator of ``memory_info`` (default: host)."""
-        self._check_open()
+        if self._state is not _State.OPEN:
+            self._check_open()
         return self._allocators.empty(shape, dtype, memory_info, stream)
 
     def create_sync_stream(
@@ -545,11 +551,12 @@ class Environment(AsyncResource):
 
     async def create_session(
         self,
-        model: Any,
+        model: str | os.PathLike[str] | bytes | ModelProto,
         ep_devices: Sequence[EpDevice] | None = None,
         options: Mapping[str, Any] | None = None,
-    ) -> Any:
-        """Partition ``model`` across the EPs of ``ep_devices`` and return an awaitable session."""
+    ) -> Session:
+        """Partition ``model`` (a path, the model's ``bytes`` or an ``onnx.ModelProto``) across
+        the EPs of ``ep_devices`` and return an awaitable session."""
         self._check_open()
         return await _session_factory[0](self, model, ep_devices, options)
 

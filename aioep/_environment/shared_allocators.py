@@ -12,11 +12,10 @@ import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
 from .._base.types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
-from .._base.validate import check_dtype
 from .._devices.host import HOST_EP_NAME
 from .._memory.allocator import Allocator
 from .._tensors.ownership import Origin, Scope
-from .._tensors.tensor import Tensor, _normalize_shape
+from .._tensors.tensor import Tensor, tensor_layout, tensor_over
 
 if TYPE_CHECKING:
     from .._devices.device import EpDevice
@@ -200,18 +199,13 @@ class SharedAllocators:
         """An uninitialised tensor from the shared allocator of ``memory_info`` (default: host)."""
         if memory_info is None:
             allocator = self.host
+        elif isinstance(memory_info, MemoryInfo):
+            entry = self._shared.get(memory_info.device)
+            allocator = entry.allocator if entry is not None else self.get(memory_info)
         else:
-            if not isinstance(memory_info, MemoryInfo):
-                raise InvalidArgument(
-                    f"empty: memory_info must be a MemoryInfo, got {memory_info!r}"
-                )
-            allocator = self.get(memory_info)
+            raise InvalidArgument(f"empty: memory_info must be a MemoryInfo, got {memory_info!r}")
         if allocator is None:
             raise InvalidArgument(f"No shared allocator found for {memory_info!r}")
-        dims = _normalize_shape(shape)
-        itemsize = check_dtype("empty", dtype).itemsize
-        nbytes = itemsize
-        for d in dims:
-            nbytes *= d
+        dims, dt, size, nbytes = tensor_layout("empty", shape, dtype)  # checked once, here
         buffer = allocator.alloc(nbytes, stream=stream)
-        return Tensor(buffer, dims, dtype)
+        return tensor_over(buffer, dims, dt, size, nbytes)

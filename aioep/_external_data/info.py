@@ -21,17 +21,23 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import ErrorCode, InvalidArgument, NoSuchFile, NotImplementedByEp
+from .._base.paths import resolve_location
 
-__all__ = ["ExternalData", "InitializerSpec", "read_initializers", "resolve_location"]
+__all__ = [
+    "ExternalData",
+    "InitializerSpec",
+    "check_external_data",
+    "read_initializers",
+    "resolve_location",
+]
 
 _KNOWN_KEYS = frozenset({"location", "offset", "length", "checksum"})
 _MEM_ADDR_TAG = "*/_ORT_MEM_ADDR_/*"  # ORT's tag for initializers that point into process memory
@@ -39,7 +45,8 @@ _OFFSET_MAX = 2**63 - 1  # ORT parses offset as ptrdiff_t
 _LENGTH_MAX = 2**64 - 1  # and length as size_t
 _INTEGER = re.compile(r"-?[0-9]+")
 # onnx data types whose elements are packed several to a byte: numpy has no such layout.
-_SUB_BYTE_TYPES = ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+# (type name -> bits per element)
+_SUB_BYTE_BITS = {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2}
 
 
 @dataclass(frozen=True)
@@ -87,37 +94,6 @@ def _parse_int(name: str, key: str, value: str, maximum: int) -> int:
     return number
 
 
-def resolve_location(base_dir: str, location: str, name: str) -> str:
-    """Resolve ``location`` against the model directory; refuse paths that leave it.
-
-    Follows ORT's rule: absolute locations are refused, and
-    ``weakly_canonical(base_dir / location)`` must start, component by component,
-    with ``weakly_canonical(base_dir)``; symlinks are resolved first, so a link
-    inside the directory that points outside is refused too.
-
-    Raises:
-        InvalidArgument: the location is absolute or escapes the model directory.
-    """
-    prefix = f"External data path validation failed for initializer: {name}. Error: "
-    if "\x00" in location:
-        raise InvalidArgument(f"{prefix}location {location!r} contains a NUL character")
-    # Drive letters and UNC roots are refused on every platform, so that a model is
-    # accepted or refused the same way wherever it is loaded.
-    win = PureWindowsPath(location)
-    if PurePosixPath(location).is_absolute() or os.path.isabs(location) or win.drive or win.root:
-        raise InvalidArgument(
-            f"{prefix}Absolute paths not allowed for external data location: {location!r}"
-        )
-    base = os.path.realpath(base_dir)
-    full = os.path.realpath(os.path.join(base, location))
-    if os.path.commonpath([base, full]) != base:
-        raise InvalidArgument(
-            f"{prefix}External data path: {location!r} escapes model directory: {base!r} "
-            f"(it resolves to {full!r})"
-        )
-    return full
-
-
 def _dtype_of(tensor: Any) -> np.dtype[Any]:
     from onnx import TensorProto, helper
 
@@ -130,7 +106,7 @@ def _dtype_of(tensor: Any) -> np.dtype[Any]:
         )
     if data_type == TensorProto.UNDEFINED:
         raise _format_error(name, "data type is UNDEFINED")
-    sub_byte = {getattr(TensorProto, t, None) for t in _SUB_BYTE_TYPES} - {None}
+    sub_byte = {getattr(TensorProto, t, None) for t in _SUB_BYTE_BITS} - {None}
     if data_type in sub_byte:
         raise NotImplementedByEp(
             f"initializer {name!r}: data type {TensorProto.DataType.Name(data_type)} packs "
@@ -243,6 +219,41 @@ def _spec(tensor: Any, base_dir: str) -> InitializerSpec:
             f"expected {dims} and {dtype}",
         )
     return InitializerSpec(name, dims, dtype, nbytes, None, array)
+
+
+def check_external_data(tensors: Iterable[Any], base_dir: str) -> list[ExternalData]:
+    """Validate the external data reference of each of ``tensors`` (``onnx.TensorProto``) kept
+    in a file, by the rules above, without reading any data; the others are skipped.
+
+    A session checks its model with this before anything runs, whichever EP reads the data
+    (packed sub-byte types included: onnxruntime's CPU EP reads them). Blocking (it stats the
+    files): run it off the event loop.
+
+    Raises:
+        NoSuchFile: an external data file does not exist.
+        InvalidArgument: a reference breaks one of the rules above.
+    """
+    from onnx import TensorProto
+
+    found = []
+    for tensor in tensors:
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        name = tensor.name
+        data_type = int(tensor.data_type)
+        dims = tuple(int(d) for d in tensor.dims)
+        if any(d < 0 for d in dims):
+            raise _format_error(name, f"negative dimension in shape {dims}")
+        count = 1
+        for d in dims:
+            count *= d
+        bits = next(
+            (b for t, b in _SUB_BYTE_BITS.items() if getattr(TensorProto, t, None) == data_type),
+            None,
+        )
+        nbytes = (count * bits + 7) // 8 if bits else count * _dtype_of(tensor).itemsize
+        found.append(_external_info(tensor, nbytes, base_dir))
+    return found
 
 
 def read_initializers(model_path: str, names: Sequence[str] | None) -> list[InitializerSpec]:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._base.errors import InvalidArgument, NoSuchFile
 from .inference import GraphValues
@@ -29,6 +29,9 @@ from .types import (
     _onnx,
     _value_info,
 )
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
 
 __all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
 
@@ -67,6 +70,7 @@ class GraphView:
         "_preds",
         "_producer",
         "_values",
+        "external_data_dir",
         "initializers",
         "inputs",
         "model_path",
@@ -82,6 +86,9 @@ class GraphView:
     _outputs: tuple[ValueInfo, ...] | None
     _preds: tuple[frozenset[int], ...]
     _values: GraphValues
+    external_data_dir: Path | None
+    """The folder external initializer data is read from: the model file's, the one given
+    with a model's bytes or proto, or None."""
     initializers: Mapping[str, Initializer]
     inputs: tuple[ValueInfo, ...]
     model_path: Path | None
@@ -92,12 +99,24 @@ class GraphView:
         raise TypeError("use GraphView.from_model(path_or_model_proto) to create a GraphView")
 
     @classmethod
-    def from_model(cls, model: str | os.PathLike[str] | Any) -> GraphView:
-        """View an ONNX model given as a path or an ``onnx.ModelProto``.
+    def from_model(
+        cls,
+        model: str | os.PathLike[str] | bytes | ModelProto,
+        *,
+        external_data_dir: str | os.PathLike[str] | None = None,
+    ) -> GraphView:
+        """View an ONNX model given as a path, its serialized ``bytes`` or an ``onnx.ModelProto``.
 
-        External initializer data is not loaded. Raises [`NoSuchFile`][aioep.NoSuchFile] for a
-        missing file and [`InvalidArgument`][aioep.InvalidArgument] for something that is not a
-        model or a graph that is not a DAG.
+        External initializer data is not loaded. A model file's external data lies in its
+        folder; a model given as bytes or a proto has none, unless ``external_data_dir``
+        names it (for such models only: as onnxruntime's
+        ``session.model_external_initializers_file_folder_path``).
+
+        Raises:
+            NoSuchFile: the model file or ``external_data_dir`` does not exist.
+            InvalidArgument: ``model`` is not a model, its graph is not a DAG, an initializer
+                is malformed (unknown element type, negative dimension), or
+                ``external_data_dir`` was given with a path.
         """
         onnx = _onnx()
         path: Path | None = None
@@ -105,23 +124,44 @@ class GraphView:
             path = Path(os.fspath(model))
             if not path.is_file():
                 raise NoSuchFile(f"ONNX model file {str(path)!r} does not exist")
+            if external_data_dir is not None:
+                raise InvalidArgument(
+                    f"external_data_dir is for a model given as bytes or a ModelProto; the "
+                    f"external data of the model file {str(path)!r} lies in its own folder"
+                )
             try:
                 proto = onnx.load(os.fspath(path), load_external_data=False)
             except Exception as exc:
                 raise InvalidArgument(
                     f"{str(path)!r} is not a readable ONNX model: {type(exc).__name__}: {exc}"
                 ) from exc
+        elif isinstance(model, bytes):
+            proto = onnx.ModelProto()
+            try:
+                proto.ParseFromString(model)
+            except Exception as exc:  # protobuf's DecodeError
+                raise InvalidArgument(
+                    f"the {len(model)} bytes given are not a serialized ONNX model: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
         elif isinstance(model, onnx.ModelProto):
             proto = model
         else:
             raise InvalidArgument(
-                f"expected an ONNX model path or onnx.ModelProto, got {type(model).__name__}"
+                "expected an ONNX model path, its bytes or an onnx.ModelProto, "
+                f"got {type(model).__name__}"
             )
+        folder = None if path is None else path.parent
+        if external_data_dir is not None:
+            folder = Path(os.fspath(external_data_dir))
+            if not folder.is_dir():
+                raise NoSuchFile(f"external_data_dir {str(folder)!r} is not a folder")
         self = object.__new__(cls)
         self.model_path = path
+        self.external_data_dir = folder
         self._model = proto
         self._assigned = MappingProxyType({})
-        self._build(onnx, proto, None if path is None else path.parent)
+        self._build(onnx, proto, folder)
         return self
 
     def _build(self, onnx: Any, model: Any, base_dir: Path | None) -> None:

@@ -73,12 +73,18 @@ def _value_info_proto(graph: GraphView, helper: Any, name: str) -> Any:
     return helper.make_tensor_value_info(name, info.elem_type, shape)
 
 
-def whole_model_source(model: str | os.PathLike[str] | Any) -> str | bytes:
-    """What onnxruntime loads for a model given as a path or a proto: the path as it is, or
-    the proto's bytes (from a copy with a capped IR version where the installed onnxruntime
-    needs one)."""
+def whole_model_source(model: str | os.PathLike[str] | bytes | Any) -> str | bytes:
+    """What onnxruntime loads for a model given as a path, bytes or a proto: the path or the
+    bytes as they are, or the proto's bytes (from a copy with a capped IR version where the
+    installed onnxruntime needs one: also for bytes)."""
     if isinstance(model, (str, os.PathLike)):
         return os.fspath(model)
+    if isinstance(model, bytes):
+        proto = _onnx().ModelProto()
+        proto.ParseFromString(model)
+        if ir_version_for_ort(proto) == proto.ir_version:
+            return model
+        model = proto
     ir_version = ir_version_for_ort(model)
     if ir_version != model.ir_version:
         copy = type(model)()

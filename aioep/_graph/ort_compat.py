@@ -19,7 +19,7 @@ from typing import Any
 
 from .._base.errors import InvalidArgument
 
-__all__ = ["OrtLimits", "ir_version_for_ort", "ort_limits"]
+__all__ = ["OrtLimits", "check_opsets", "ir_version_for_ort", "ort_limits"]
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 _OLDEST_IR = 3
@@ -77,6 +77,29 @@ def ort_limits() -> OrtLimits | None:
     return OrtLimits(str(ort.__version__), max_ir, max_opset)
 
 
+def check_opsets(model: Any, *, what: str = "the model") -> None:
+    """Refuse ``model`` (an ``onnx.ModelProto``) when it imports an ``ai.onnx`` opset newer than
+    the installed onnxruntime supports (without onnxruntime: newer than onnx knows), whichever
+    EP would run it: no EP can know what such an opset's operators mean.
+
+    Raises:
+        InvalidArgument: naming the opset and the newest one supported.
+    """
+    limits = ort_limits()
+    if limits is not None:
+        newest, who = limits.max_opset, f"the installed onnxruntime {limits.version}"
+    else:
+        import onnx
+
+        newest, who = int(onnx.defs.onnx_opset_version()), f"onnx {onnx.__version__}"
+    for entry in model.opset_import:
+        if entry.domain in _DEFAULT_DOMAINS and entry.version > newest:
+            raise InvalidArgument(
+                f"{what} imports ai.onnx opset {entry.version}; {who} supports opsets up to "
+                f"{newest}: upgrade onnxruntime or convert the model to an older opset"
+            )
+
+
 def ir_version_for_ort(model: Any, *, what: str = "the model") -> int:
     """The IR version to stamp on ``model`` (an ``onnx.ModelProto``) before onnxruntime loads it.
 
@@ -92,14 +115,8 @@ def ir_version_for_ort(model: Any, *, what: str = "the model") -> int:
         return own
     import onnx
 
+    check_opsets(model, what=what)
     opsets = list(model.opset_import)
-    for entry in opsets:
-        if entry.domain in _DEFAULT_DOMAINS and entry.version > limits.max_opset:
-            raise InvalidArgument(
-                f"{what} imports ai.onnx opset {entry.version}; the installed onnxruntime "
-                f"{limits.version} supports opsets up to {limits.max_opset}: upgrade "
-                "onnxruntime or convert the model to an older opset"
-            )
     try:
         needed = int(onnx.helper.find_min_ir_version_for(opsets, ignore_unknown=True))
     except Exception:  # an opset onnx itself does not know: onnxruntime will say more

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._base.errors import InvalidArgument, NoSuchFile, import_optional
+from .._base.errors import ErrorCode, InvalidArgument, NoSuchFile, import_optional
+from .._base.paths import resolve_location
 
 __all__ = ["Dim", "Initializer", "Node", "ValueInfo"]
 
@@ -100,12 +101,20 @@ class Initializer:
     __slots__ = ("_base_dir", "_proto", "dtype", "external", "name", "shape")
 
     def __init__(self, proto: Any, base_dir: Path | None) -> None:
+        """Raises `InvalidArgument` for a negative dimension or a data type that is not
+        a tensor element type (0, UNDEFINED, or one onnx does not know)."""
         onnx = _onnx()
         self._proto = proto
         self._base_dir = base_dir
         self.name: str = proto.name
         self.shape: tuple[int, ...] = tuple(int(d) for d in proto.dims)
-        self.dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(proto.data_type))
+        if any(d < 0 for d in self.shape):
+            raise InvalidArgument(
+                f"model format error! initializer {self.name!r} has a negative dimension in its "
+                f"shape {list(self.shape)}",
+                code=ErrorCode.INVALID_PROTOBUF,
+            )
+        self.dtype: np.dtype[Any] = _element_dtype(onnx, proto)
         self.external: bool = proto.data_location == onnx.TensorProto.EXTERNAL
 
     @property
@@ -123,37 +132,79 @@ class Initializer:
 
         Raises:
             NoSuchFile: the external data file is missing.
+            InvalidArgument: the data cannot be read: its external file lies outside the
+                model's folder (ORT's rule: no absolute path, no ``..`` or symbolic link that
+                leads out), the model has no folder (given as a proto, without one), or the
+                data does not match the declared shape.
         """
         onnx = _onnx()
-        base = "" if self._base_dir is None else os.fspath(self._base_dir)
-        if self.external and self._base_dir is None:
-            raise InvalidArgument(
-                f"initializer {self.name!r} has external data, but the model was given as a "
-                "proto without a path; load it with GraphView.from_model(path)"
-            )
+        proto, base = self._proto, ""
         if self.external:
-            location = next((e.value for e in self._proto.external_data if e.key == "location"), "")
-            file = Path(base) / location
-            if not file.is_file():
-                raise NoSuchFile(
-                    f"initializer {self.name!r}: external data file {str(file)!r} does not exist"
-                )
+            proto, base = self._external_proto(onnx)
         try:
-            return np.asarray(onnx.numpy_helper.to_array(self._proto, base_dir=base))
+            return np.asarray(onnx.numpy_helper.to_array(proto, base_dir=base))
         except FileNotFoundError as exc:
             raise NoSuchFile(
                 f"initializer {self.name!r}: external data file not found: {exc}"
             ) from exc
-        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            OverflowError,
+            onnx.checker.ValidationError,
+        ) as exc:
             # Data that does not match the declared shape, or an element type onnx cannot read.
             raise InvalidArgument(
                 f"initializer {self.name!r} (element type {self._proto.data_type}, dims "
                 f"{list(self._proto.dims)}) cannot be read: {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _external_proto(self, onnx: Any) -> tuple[Any, str]:
+        """A copy of the proto that names its external file by its real path, and that path's
+        folder: onnx reads it without its own location check (stricter than ORT's: it
+        refuses any symbolic link), which `resolve_location` has made."""
+        if self._base_dir is None:
+            raise InvalidArgument(
+                f"initializer {self.name!r} keeps its data in an external file, but the model "
+                "was given without a folder to find it in (bytes or a ModelProto); give the "
+                "model's path, or the folder (GraphView.from_model(model, external_data_dir=...))"
+            )
+        location = next((e.value for e in self._proto.external_data if e.key == "location"), "")
+        full = resolve_location(os.fspath(self._base_dir), location, self.name)
+        if not os.path.isfile(full):
+            raise NoSuchFile(
+                f"initializer {self.name!r}: external data file {location!r} does not exist "
+                f"(resolved to {full!r})"
+            )
+        proto = onnx.TensorProto()
+        proto.CopyFrom(self._proto)  # no data: it is in the file
+        for entry in proto.external_data:
+            if entry.key == "location":
+                entry.value = os.path.basename(full)
+        return proto, os.path.dirname(full)
+
     def __repr__(self) -> str:
         ext = " external" if self.external else ""
         return f"<Initializer {self.name!r} {self.dtype}{list(self.shape)}{ext}>"
+
+
+def _element_dtype(onnx: Any, proto: Any) -> np.dtype[Any]:
+    """The numpy dtype of an initializer's element type, or a format error naming it."""
+    data_type = int(proto.data_type)
+    if data_type != onnx.TensorProto.UNDEFINED:
+        try:
+            dtype: np.dtype[Any] = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        except (KeyError, TypeError, ValueError):
+            pass
+        else:
+            return dtype
+    undefined = " (0 is UNDEFINED)" if data_type == onnx.TensorProto.UNDEFINED else ""
+    raise InvalidArgument(
+        f"model format error! initializer {proto.name!r} has data type {data_type}{undefined}, "
+        "which is not an ONNX tensor element type",
+        code=ErrorCode.INVALID_PROTOBUF,
+    )
 
 
 def _attribute_value(onnx: Any, attr: Any) -> Any:

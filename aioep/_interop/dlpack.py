@@ -4,18 +4,28 @@
 
 The layouts follow ``dlpack.h`` (DLPack 1.1). A consumer that takes a capsule renames it
 (``"used_dltensor"`` / ``"used_dltensor_versioned"``), which tells the producer's capsule
-destructor that the consumer now owns the managed tensor, and calls its deleter once done.
+destructor that the consumer now owns the managed tensor, and calls its deleter once done,
+also when it then refuses what the tensor describes.
+
+Export uses numpy's capsule machinery (see `dlpack_capsule`): a capsule destructor
+or deleter written as a ctypes callback would run Python inside the interpreter's
+deallocation, where an exception may be in flight (``np.from_dlpack`` refusing a device
+tensor drops the capsule with its ``BufferError`` set), and ctypes cannot set that
+exception aside as the C destructors of numpy, PyTorch and pyarrow do.
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
-import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from .._tensors.exports import ExportedMemory, live_exports, note_handed_out
+from .._tensors.tensor import Buffer, Tensor
 
 __all__ = [
     "DLDataType",
@@ -27,8 +37,11 @@ __all__ = [
     "DLTensor",
     "dlpack_capsule",
     "dlpack_dtype",
+    "exported_buffer",
+    "is_legacy_import",
     "live_dlpack_exports",
     "numpy_dtype",
+    "numpy_dtype_bits",
     "read_capsule",
 ]
 
@@ -134,32 +147,68 @@ _set_name = ctypes.pythonapi["PyCapsule_SetName"]
 _set_name.restype = ctypes.c_int
 _set_name.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
+_capsule_name = ctypes.pythonapi["PyCapsule_GetName"]
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+_NUMPY_LEGACY_BASE = b"numpy_dltensor"  # numpy's name for a consumed legacy capsule it keeps
+
+
+def is_legacy_import(array: np.ndarray[Any, Any]) -> bool:
+    """True when ``np.from_dlpack`` made ``array`` from a legacy (pre-1.0) capsule: numpy
+    keeps the consumed capsule as the array's base under its own name."""
+    base = array.base
+    return type(base).__name__ == "PyCapsule" and _capsule_name(base) == _NUMPY_LEGACY_BASE
+
+
 _KINDS = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 _CODES = {0: "i", 1: "u", 2: "f", 5: "c", 6: "b"}
 
 
 def dlpack_dtype(dtype: np.dtype[Any]) -> tuple[int, int, int]:
-    """(code, bits, lanes) of a numpy dtype, or BufferError for types DLPack lacks."""
+    """(code, bits, lanes) of a numpy dtype, or BufferError for types DLPack lacks (long
+    double among them: it is not IEEE binary128)."""
     code = _KINDS.get(dtype.kind)
-    if code is None or dtype.byteorder == ">":
+    bits = dtype.itemsize * 8
+    if code is None or dtype.byteorder == ">" or bits not in _NUMPY_BITS.get(dtype.kind, (8,)):
         raise BufferError(f"dtype {dtype} has no DLPack equivalent")
-    return code, dtype.itemsize * 8, 1
+    return code, bits, 1
+
+
+# The (kind, bits) numpy has an IEEE/two's complement type for. float128 and complex256
+# only where the platform's long double is IEEE binary128 (aarch64 Linux): numpy's 16-byte
+# float is that long double, on x86 the x87 80-bit extended format padded to 16 bytes, and
+# reading one as the other would garble every value.
+_finfo = np.finfo(np.longdouble)
+_BINARY128 = np.dtype(np.longdouble).itemsize == 16 and (_finfo.nmant, _finfo.maxexp) == (
+    112,
+    16384,
+)
+_NUMPY_BITS = {
+    "i": (8, 16, 32, 64),
+    "u": (8, 16, 32, 64),
+    "f": (16, 32, 64, 128) if _BINARY128 else (16, 32, 64),
+    "c": (64, 128, 256) if _BINARY128 else (64, 128),
+}
+
+
+def numpy_dtype_bits() -> dict[str, tuple[int, ...]]:
+    """The sizes in bits, by numpy kind (``"i"``, ``"u"``, ``"f"``, ``"c"``), that a DLPack
+    dtype can have here (float128 only where long double is IEEE binary128)."""
+    return dict(_NUMPY_BITS)
 
 
 def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype[Any]:
     """The numpy dtype of a DLPack (code, bits, lanes), or BufferError where numpy has none
-    (bfloat16, float8, vector lanes, opaque handles)."""
+    (bfloat16, float8, float128, vector lanes, opaque handles)."""
     kind = _CODES.get(code)
-    if kind is None or lanes != 1 or bits % 8 or (kind == "b" and bits != 8):
-        raise BufferError(
-            f"DLPack dtype (code={code}, bits={bits}, lanes={lanes}) has no numpy dtype"
-        )
-    try:
-        return np.dtype(f"{kind}{bits // 8}" if kind != "b" else "?")
-    except TypeError as exc:
-        raise BufferError(
-            f"DLPack dtype (code={code}, bits={bits}, lanes={lanes}) has no numpy dtype"
-        ) from exc
+    if kind == "b" and bits == 8 and lanes == 1:
+        return np.dtype("?")
+    if kind is None or lanes != 1 or bits not in _NUMPY_BITS.get(kind, ()):
+        what = f"DLPack dtype (code={code}, bits={bits}, lanes={lanes}) has no numpy dtype"
+        if kind in ("f", "c") and bits in (128, 256):
+            what += " (numpy's long double is not IEEE binary128 on this platform)"
+        raise BufferError(what)
+    return np.dtype(f"{kind}{bits // 8}")
 
 
 class DLPackView:
@@ -167,7 +216,8 @@ class DLPackView:
     included), device, shape, element strides (None: C-contiguous), dtype, read-only flag.
 
     The view owns the producer's managed tensor: `release` calls its deleter (once);
-    until then the producer keeps the memory alive.
+    until then the producer keeps the memory alive. ``managed`` is the managed tensor's
+    address (what `exported_buffer` recognises aioep's own exports by).
     """
 
     __slots__ = (
@@ -177,6 +227,7 @@ class DLPackView:
         "device_id",
         "device_type",
         "dtype",
+        "managed",
         "readonly",
         "shape",
         "strides",
@@ -193,8 +244,10 @@ class DLPackView:
         readonly: bool,
         versioned: bool,
         deleter: Callable[[], None] | None,
+        managed: int = 0,
     ) -> None:
         self.data = data
+        self.managed = managed
         self.device_type, self.device_id = device
         self.shape = shape
         self.strides = strides
@@ -237,8 +290,10 @@ def read_capsule(capsule: object) -> DLPackView:
     and must be released (`DLPackView.release`) when the memory is no longer used.
 
     Raises:
-        BufferError: not an unconsumed DLPack capsule, a newer major ABI version, or a
-            dtype numpy lacks (the managed tensor is released before raising).
+        BufferError: not an unconsumed DLPack capsule, a newer major ABI version, a dtype
+            numpy lacks, or a tensor that describes no valid memory (ndim out of range,
+            a negative dimension, no data for a non-empty tensor); once the capsule is
+            consumed, the managed tensor is released (its deleter called) before raising.
     """
     if _is_valid(capsule, _VERSIONED):
         addr = _get_pointer(capsule, _VERSIONED)
@@ -253,7 +308,8 @@ def read_capsule(capsule: object) -> DLPackView:
         deleter_v = managed_v.deleter
         ptr_v = ctypes.pointer(managed_v)
         release = None if not deleter_v else _call_once(deleter_v, ptr_v)
-        return _view(managed_v.dl_tensor, bool(managed_v.flags & FLAG_READ_ONLY), True, release)
+        readonly = bool(managed_v.flags & FLAG_READ_ONLY)
+        return _view(managed_v.dl_tensor, readonly, True, release, addr)
     if _is_valid(capsule, _LEGACY):
         addr = _get_pointer(capsule, _LEGACY)
         managed = DLManagedTensor.from_address(addr)
@@ -261,7 +317,10 @@ def read_capsule(capsule: object) -> DLPackView:
         deleter = managed.deleter
         ptr = ctypes.pointer(managed)
         release = None if not deleter else _call_once(deleter, ptr)
-        return _view(managed.dl_tensor, False, False, release)
+        # The legacy ABI has no read-only flag: its producers hand out memory they let be
+        # written (numpy and aioep refuse to export read-only memory as a legacy capsule),
+        # and PyTorch and CuPy consumers write into it.
+        return _view(managed.dl_tensor, False, False, release, addr)
     raise BufferError(
         f"__dlpack__ returned {type(capsule).__name__}, not an unconsumed DLPack capsule "
         "('dltensor' or 'dltensor_versioned')"
@@ -275,59 +334,47 @@ def _call_once(fn: Any, arg: Any) -> Callable[[], None]:
     return call
 
 
+_MAX_NDIM = 64  # numpy's limit; a larger ndim is a corrupt capsule, never read past
+
+
 def _view(
-    dl: DLTensor, readonly: bool, versioned: bool, release: Callable[[], None] | None
+    dl: DLTensor,
+    readonly: bool,
+    versioned: bool,
+    release: Callable[[], None] | None,
+    managed: int,
 ) -> DLPackView:
     try:
         ndim = int(dl.ndim)
+        if not 0 <= ndim <= _MAX_NDIM:
+            raise BufferError(f"DLPack tensor has ndim {ndim}; expected 0 to {_MAX_NDIM}")
         dtype = numpy_dtype(dl.dtype.code, dl.dtype.bits, dl.dtype.lanes)
-        shape = tuple(int(dl.shape[i]) for i in range(ndim)) if ndim else ()
+        if ndim and not dl.shape:
+            raise BufferError(f"DLPack tensor of ndim {ndim} has no shape (a null pointer)")
+        shape = tuple(int(dl.shape[i]) for i in range(ndim))
+        if any(d < 0 for d in shape):
+            raise BufferError(f"DLPack tensor has shape {shape}; dimensions must be >= 0")
         strides = tuple(int(dl.strides[i]) for i in range(ndim)) if dl.strides and ndim else None
+        data = int(dl.data or 0) + int(dl.byte_offset)
+        size = 1
+        for d in shape:
+            size *= d
+        if not dl.data and size:
+            raise BufferError(
+                f"DLPack tensor of shape {shape} has a null data pointer; only an empty tensor may"
+            )
     except BaseException:
         if release is not None:
             release()
         raise
-    data = int(dl.data or 0) + int(dl.byte_offset)
     device = (int(dl.device.device_type), int(dl.device.device_id))
-    return DLPackView(data, device, shape, strides, dtype, readonly, versioned, release)
+    return DLPackView(data, device, shape, strides, dtype, readonly, versioned, release, managed)
 
 
 # -- export ---------------------------------------------------------------------------------
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_capsule_new = ctypes.pythonapi["PyCapsule_New"]
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
-_raw_is_valid = ctypes.pythonapi["PyCapsule_IsValid"]
-_raw_is_valid.restype = ctypes.c_int
-_raw_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_raw_pointer = ctypes.pythonapi["PyCapsule_GetPointer"]
-_raw_pointer.restype = ctypes.c_void_p
-_raw_pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-
-# Exported tensors by DLManagedTensor address: what keeps the memory and the structs alive
-# until the consumer calls the deleter (or the capsule dies unconsumed).
-_live: dict[int, tuple[Any, ...]] = {}
-_live_lock = threading.Lock()
-
-
-def _delete(managed: Any) -> None:
-    addr = ctypes.cast(managed, ctypes.c_void_p).value or 0
-    with _live_lock:
-        _live.pop(addr, None)
-
-
-_deleter = _Deleter(_delete)
-
-
-def _capsule_destructor(capsule: int | None) -> None:
-    # Called when the capsule dies; if it was never consumed it still owns the tensor.
-    if capsule and _raw_is_valid(capsule, _LEGACY):
-        addr = _raw_pointer(capsule, _LEGACY)
-        with _live_lock:
-            _live.pop(addr or 0, None)
-
-
-_destructor = _CapsuleDestructor(_capsule_destructor)
+# The exports made here, by DLManagedTensor address, while their consumer (or the unconsumed
+# capsule) holds them: how an import recognises a capsule aioep made (read_capsule).
+_by_managed: weakref.WeakValueDictionary[int, ExportedMemory] = weakref.WeakValueDictionary()
 
 
 def dlpack_capsule(
@@ -341,38 +388,39 @@ def dlpack_capsule(
     C-contiguous array of ``shape`` and ``dtype`` at ``data`` on DLPack ``device``.
 
     ``keep`` (the tensor) stays referenced until the consumer calls the deleter, or the
-    capsule dies unconsumed.
+    capsule dies unconsumed; a tensor's buffer is held meanwhile (its ``free()`` waits for
+    the release). numpy makes the capsule for an array over the memory that it never reads,
+    and the device is written into it: numpy's capsule destructor and deleter are C, so no
+    Python runs inside them (a ctypes callback there would clobber an exception in flight).
 
     Raises:
-        BufferError: ``dtype`` has no DLPack equivalent.
+        BufferError: ``dtype`` has no DLPack equivalent, the tensor's buffer was freed, or
+            it is read-only (the legacy ABI cannot say so).
     """
-    code, bits, lanes = dlpack_dtype(dtype)
-    ndim = len(shape)
-    c_shape = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    steps: list[int] = []
-    step = 1
-    for d in reversed(shape):
-        steps.append(step)
-        step *= max(d, 1)
-    c_strides = (ctypes.c_int64 * max(ndim, 1))(*reversed(steps))
-    managed = DLManagedTensor()
+    dlpack_dtype(dtype)  # BufferError before any side effect
+    buffer = keep.buffer if isinstance(keep, Tensor) else None
+    readonly = buffer is not None and buffer.readonly
+    export = ExportedMemory(data, shape, dtype, readonly, keep, buffer)
+    capsule = export.array().__dlpack__()
+    managed = DLManagedTensor.from_address(_get_pointer(capsule, _LEGACY))
     managed.dl_tensor.data = data or None
     managed.dl_tensor.device = DLDevice(*device)
-    managed.dl_tensor.ndim = ndim
-    managed.dl_tensor.dtype = DLDataType(code, bits, lanes)
-    managed.dl_tensor.shape = ctypes.cast(c_shape, ctypes.POINTER(ctypes.c_int64))
-    managed.dl_tensor.strides = ctypes.cast(c_strides, ctypes.POINTER(ctypes.c_int64))
     managed.dl_tensor.byte_offset = 0
-    managed.manager_ctx = None
-    managed.deleter = _deleter
-    addr = ctypes.addressof(managed)
-    with _live_lock:
-        _live[addr] = (managed, c_shape, c_strides, keep)
-    return _capsule_new(addr, _LEGACY, _destructor)
+    _by_managed[ctypes.addressof(managed)] = export
+    if buffer is not None:
+        note_handed_out(buffer, (int(device[0]), int(device[1])))
+    return capsule
+
+
+def exported_buffer(view: DLPackView) -> Buffer | None:
+    """The aioep buffer whose export ``view`` was read from (a capsule `dlpack_capsule`
+    made, whoever passed it on), or None."""
+    export = _by_managed.get(view.managed)
+    if export is None or export.buffer is None:
+        return None
+    return export.buffer
 
 
 def live_dlpack_exports() -> int:
-    """Capsules (or consumers) that still hold a tensor exported by
-    [`dlpack_capsule`][aioep.abc.dlpack_capsule]."""
-    with _live_lock:
-        return len(_live)
+    """DLPack exports of aioep tensors (capsules, or consumers' arrays) not yet released."""
+    return live_exports()

@@ -20,11 +20,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._base.errors import InvalidArgument
+from .._base.validate import describe
 from .._streams.notification import Notification
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import NotificationImpl, StreamImpl
-from .._tensors.tensor import HOST_MEMORY_INFO, ImportedBuffer, Tensor
-from .dlpack import MAX_VERSION, DLDeviceType, read_capsule
+from .._tensors.exports import handed_out
+from .._tensors.tensor import HOST_MEMORY_INFO, Buffer, ImportedBuffer, Tensor
+from .dlpack import (
+    MAX_VERSION,
+    DLDeviceType,
+    exported_buffer,
+    is_legacy_import,
+    numpy_dtype_bits,
+    read_capsule,
+)
 from .importer import MemoryImporter
 
 if TYPE_CHECKING:
@@ -66,7 +75,12 @@ def is_foreign(value: object) -> bool:
     t = type(value)
     if t is Tensor or t is np.ndarray or isinstance(value, (Tensor, np.ndarray)):
         return False
-    return hasattr(t, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
+    if hasattr(t, "__dlpack__"):
+        return True
+    try:
+        return hasattr(value, "__cuda_array_interface__")
+    except Exception:  # a property that raises: as_tensor names the error
+        return True
 
 
 def import_copy_args(
@@ -184,7 +198,12 @@ def as_tensor(
     t = type(value)
     if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
         return _from_dlpack(value, role, writable, importers, stream)
-    cai = getattr(value, "__cuda_array_interface__", None)
+    try:
+        cai = getattr(value, "__cuda_array_interface__", None)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"{role}: {t.__name__}.__cuda_array_interface__ raised {type(exc).__name__}: {exc}"
+        ) from exc
     if cai is not None:
         return _from_cai(value, cai, role, writable, importers, stream)
     raise InvalidArgument(
@@ -230,11 +249,16 @@ def _from_dlpack(
             capsule = value.__dlpack__(stream=producer_stream, max_version=MAX_VERSION)
         except TypeError:  # a producer older than DLPack 1.0 takes no max_version
             capsule = value.__dlpack__(stream=producer_stream)
-        view = read_capsule(capsule)
     except InvalidArgument:
         raise
     except Exception as exc:
         raise InvalidArgument(f"{role}: {name}.__dlpack__ failed: {exc}") from exc
+    try:
+        view = read_capsule(capsule)
+    except BufferError as exc:
+        raise InvalidArgument(
+            f"{role}: {name}.__dlpack__ gave a capsule aioep cannot use: {exc}"
+        ) from exc
     del capsule
     try:
         if (view.device_type, view.device_id) != (device_type, device_id):
@@ -253,22 +277,37 @@ def _from_dlpack(
                 f"{role}: {name} is read-only (DLPack flag); it cannot be written"
             )
         nbytes = view.nbytes
+        # aioep's own memory, whoever wrapped it since (one of its capsules, or memory it
+        # handed out): that buffer, so that its environment's ownership rule applies.
+        mine = exported_buffer(view) or handed_out(device_type, device_id, view.data, nbytes)
         owner, info = _adopt(owners, device_type, device_id, view.data, nbytes)
-        if info is None:
+        if info is None and mine is None:
             raise InvalidArgument(
                 f"{role}: {name}'s memory ({nbytes} bytes at {view.data:#x} on "
                 f"{_device_name(device_type)} device {device_id}) is owned by no registered "
                 "device"
             )
-        wait = owner.producer_work(info, producer_stream, stream)
+        wait = None if info is None else owner.producer_work(info, producer_stream, stream)
+        if mine is not None:
+            # The buffer keeps the memory alive: the producer's hold is not needed.
+            view.release()
+            return _over(mine, view.shape, view.dtype, view.data, role), wait
+        buffer = ImportedBuffer(
+            view.data, nbytes, info, producer=value, keep=view, release=view.release,
+            readonly=view.readonly,
+        )  # fmt: skip
     except BaseException:
         view.release()
         raise
-    buffer = ImportedBuffer(
-        view.data, nbytes, info, producer=value, keep=view, release=view.release,
-        readonly=view.readonly,
-    )  # fmt: skip
     return Tensor(buffer, view.shape, view.dtype), wait
+
+
+def _over(buffer: Buffer, shape: tuple[int, ...], dtype: Any, ptr: int, role: str) -> Tensor:
+    """A tensor over ``buffer`` (aioep memory that came back wrapped) at address ``ptr``."""
+    try:
+        return Tensor(buffer, shape, dtype, byte_offset=ptr - buffer.ptr)
+    except InvalidArgument as exc:  # pragma: no cover - handed_out checked the bounds
+        raise InvalidArgument(f"{role}: {exc}") from exc
 
 
 def _from_host_dlpack(
@@ -289,10 +328,17 @@ def _from_host_dlpack(
         ) from exc
     flags = array.flags
     if writable and not flags.writeable:
-        raise InvalidArgument(
-            f"{_role(kind, index)}: {type(value).__name__} is read-only (DLPack flag); it "
-            "cannot be written"
-        )
+        if not is_legacy_import(array):
+            raise InvalidArgument(
+                f"{_role(kind, index)}: {type(value).__name__} is read-only (DLPack flag); it "
+                "cannot be written"
+            )
+        # numpy >= 2 marks a legacy (pre-1.0) capsule's memory read-only: that ABI has no
+        # read-only flag at all. aioep writes into it as into a legacy device capsule, as
+        # PyTorch and CuPy do: a producer that may not grant writes refuses to export a
+        # legacy capsule (numpy's and aioep's own exports do).
+        array = np.asarray(_Writable(array))
+        flags = array.flags
     if not flags.c_contiguous:
         if writable:
             raise InvalidArgument(
@@ -314,7 +360,7 @@ def _from_host_dlpack(
     buffer._pins = 0
     buffer._released = False
     buffer._pin_lock = threading.Lock()
-    buffer._finalizer = None
+    buffer._on_release = None
     buffer._last_use = None
     buffer.producer = value
     return Tensor._over_array(array, buffer)
@@ -347,6 +393,18 @@ class _HostCapsuleArray:
         }
 
 
+class _Writable:
+    """A writable array interface over a read-only numpy array's memory (keeping it)."""
+
+    __slots__ = ("__array_interface__", "base")
+
+    def __init__(self, array: np.ndarray[Any, Any]) -> None:
+        self.base = array
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
+
+
 def _host_array_of_capsule(value: Any) -> np.ndarray[Any, Any]:
     return np.asarray(_HostCapsuleArray(value))
 
@@ -377,45 +435,116 @@ def _from_cai(
 ) -> tuple[Tensor, NotificationImpl | None]:
     name = type(value).__name__
     what = f"{role}: {name}.__cuda_array_interface__"
-    try:
-        shape = tuple(int(d) for d in cai["shape"])
-        dtype = np.dtype(cai["typestr"])
-        ptr, readonly = int(cai["data"][0] or 0), bool(cai["data"][1])
-        strides = cai.get("strides")
-        producer_stream = cai.get("stream") if int(cai.get("version", 0)) >= 3 else None
-        mask = cai.get("mask")
-    except Exception as exc:
-        raise InvalidArgument(f"{what} is malformed: {exc}") from exc
-    if dtype.hasobject or dtype.byteorder == ">" or dtype.kind not in "biufc":
-        raise InvalidArgument(f"{what}: unsupported dtype {dtype} ({cai['typestr']!r})")
-    if mask is not None:
-        raise InvalidArgument(f"{what}: masked arrays are not supported")
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{what}: bad shape {shape}")
-    if strides is not None:
-        step = dtype.itemsize
-        for d, s in zip(reversed(shape), reversed(tuple(strides))):
-            if d != 1 and s != step:
-                raise InvalidArgument(
-                    f"{what}: shape {shape} with byte strides {tuple(strides)} is not "
-                    "C-contiguous; device memory must be (make a contiguous copy first)"
-                )
-            step *= d
-    if producer_stream == 0:
-        raise InvalidArgument(f"{what}: stream 0 is disallowed (ambiguous); use 1, 2 or a handle")
+    shape, dtype, ptr, readonly, producer_stream = _read_cai(cai, what)
     if writable and readonly:
         raise InvalidArgument(f"{what}: the data is read-only (data[1] is True)")
     nbytes = dtype.itemsize
     for d in shape:
         nbytes *= d
-    # The interface names no device: each importer finds its own memory from the pointer.
+    if ptr == 0 and nbytes:
+        raise InvalidArgument(f"{what}: data[0] is a null pointer for {nbytes} bytes of data")
+    # The interface names no device: aioep's own memory is found by the buffer that handed
+    # it out (its environment's ownership rule then applies), other memory by each
+    # importer from the pointer.
+    mine = handed_out(DLDeviceType.CUDA, -1, ptr, nbytes)
     owner, info = _adopt(importers(), DLDeviceType.CUDA, -1, ptr, nbytes)
-    if info is None:
+    if info is None and mine is None:
         raise InvalidArgument(
             f"{what}: {nbytes} bytes at {ptr:#x} are memory that no registered device owns"
         )
     wait = None
-    if producer_stream is not None:
-        wait = owner.producer_work(info, int(producer_stream), stream)
+    if producer_stream is not None and info is not None:
+        wait = owner.producer_work(info, producer_stream, stream)
+    if mine is not None:
+        return _over(mine, shape, dtype, ptr, role), wait
     buffer = ImportedBuffer(ptr, nbytes, info, producer=value, readonly=readonly)
     return Tensor(buffer, shape, dtype), wait
+
+
+_DEVICE_BITS = numpy_dtype_bits()  # a CAI's f16 is numpy's long double: as in DLPack
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _read_cai(cai: Any, what: str) -> tuple[tuple[int, ...], np.dtype[Any], int, bool, int | None]:
+    """Shape, dtype, data pointer, read-only flag and producer stream (None: none) of a CUDA
+    Array Interface, every field checked (InvalidArgument naming the field and its value)."""
+    if not isinstance(cai, Mapping):
+        raise InvalidArgument(f"{what} must be a dict, got {describe(cai)}")
+    try:
+        keys = ("version", "shape", "typestr", "data", "strides", "stream", "mask")
+        fields: dict[str, Any] = {k: cai.get(k) for k in keys}
+    except Exception as exc:
+        raise InvalidArgument(f"{what} could not be read: {type(exc).__name__}: {exc}") from exc
+    version = fields["version"]
+    if not _is_int(version) or int(version) < 0:
+        raise InvalidArgument(f"{what}: version must be an int, got {describe(version)}")
+    shape_in = fields["shape"]
+    if not isinstance(shape_in, (tuple, list)) or not all(_is_int(d) and d >= 0 for d in shape_in):
+        raise InvalidArgument(
+            f"{what}: shape must be a tuple of ints >= 0, got {describe(shape_in)}"
+        )
+    shape = tuple(int(d) for d in shape_in)
+    typestr = fields["typestr"]
+    try:
+        if not isinstance(typestr, str):
+            raise TypeError("not a str")
+        dtype = np.dtype(typestr)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"{what}: typestr must be a numpy type string, got {describe(typestr)}"
+        ) from exc
+    if (
+        dtype.hasobject
+        or dtype.byteorder == ">"
+        or dtype.kind not in "biufc"
+        or dtype.itemsize * 8 not in _DEVICE_BITS.get(dtype.kind, (8, 16, 32, 64))
+    ):
+        raise InvalidArgument(f"{what}: unsupported dtype {dtype} ({typestr!r})")
+    data = fields["data"]
+    if (
+        not isinstance(data, (tuple, list))
+        or len(data) != 2
+        or not (data[0] is None or (_is_int(data[0]) and data[0] >= 0))
+        or not isinstance(data[1], (bool, np.bool_))
+    ):
+        raise InvalidArgument(
+            f"{what}: data must be a tuple (pointer: int, read_only: bool), got {describe(data)}"
+        )
+    ptr, readonly = int(data[0] or 0), bool(data[1])
+    strides = fields["strides"]
+    if strides is not None:
+        if (
+            not isinstance(strides, (tuple, list))
+            or len(strides) != len(shape)
+            or not all(_is_int(s) for s in strides)
+        ):
+            raise InvalidArgument(
+                f"{what}: strides must be None or a tuple of {len(shape)} int(s) (bytes per "
+                f"step), got {describe(strides)}"
+            )
+        step = dtype.itemsize
+        for d, st in zip(reversed(shape), reversed(strides)):
+            if d != 1 and st != step:
+                raise InvalidArgument(
+                    f"{what}: shape {shape} with byte strides {tuple(strides)} is not "
+                    "C-contiguous; device memory must be (make a contiguous copy first)"
+                )
+            step *= d
+    if fields["mask"] is not None:
+        raise InvalidArgument(f"{what}: masked arrays are not supported")
+    producer_stream = fields["stream"] if int(version) >= 3 else None
+    if producer_stream is not None:
+        if not _is_int(producer_stream):
+            raise InvalidArgument(
+                f"{what}: stream must be None or an int (a stream handle), got "
+                f"{describe(producer_stream)}"
+            )
+        producer_stream = int(producer_stream)
+        if producer_stream == 0:
+            raise InvalidArgument(
+                f"{what}: stream 0 is disallowed (ambiguous); use 1, 2 or a handle"
+            )
+    return shape, dtype, ptr, readonly, producer_stream

@@ -1,28 +1,44 @@
-"""The arena's stream-aware pool: the stream rule, parked chunks and growth over the BFC
-core (no locks: the arena calls it under its lock)."""
+"""The arena's stream-aware pools: the stream rule, parked chunks and growth over two BFC
+cores (no locks: the arena calls it under its lock).
+
+Small requests (size classes up to ``PARK_MAX``) and large ones live in separate
+regions, each pool a BFC core of its own (PyTorch's small and large pools): freed
+small chunks are parked for quick reuse, and parked chunks never sit in the way of
+a large request, so a large request never has to look for parked chunks to merge.
+A pool borrows from the other one only where growing would not do (a large request
+takes a free chunk of a small region before the arena extends; a small request
+takes one of a large region when the arena cannot extend).
+
+The miss path never walks the chunks: best fit is a ``bisect`` per bin, the free
+chunks a stream may still use are indexed by stream in each core (``BfcCore.tagged``),
+and the search for parked chunks in a request's way starts from the parked chunks
+(at most ``MAX_PARKED`` per size class and stream), not from the regions.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .._base.errors import DeviceError, EpError
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_regions import RegionReturns, RegionSizer, free_handles
-from .bfc import Chunk, Region
+from .bfc import BfcCore, Chunk, Region
 
 if TYPE_CHECKING:
     from .._streams.stream import SyncStream
     from .allocator import Allocator
 
-__all__ = ["StreamPool", "idle", "usable"]
+__all__ = ["LARGE", "MAX_PARKED", "PARK_MAX", "SMALL", "StreamPool", "idle", "usable"]
 
 _BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
 _RESIZE_MIN = 1 << 20  # see StreamPool.find: never resize a region for less dead space
 MAX_PARKED = 16  # freed chunks kept per stream and size class; more go back to the core
 # Only chunks up to this size are parked (PyTorch's small-pool cutoff): small sizes repeat
 # often and cost little to hold; larger ones go back to the core at once, so they merge
-# and big requests find room without first flushing the fast path.
+# and big requests find room.
 PARK_MAX = 1 << 20
+SMALL, LARGE = 0, 1  # the pools (index into StreamPool.cores)
 
 
 def idle(stream: SyncStream) -> bool:
@@ -52,21 +68,26 @@ def usable(chunk: Chunk, stream: SyncStream | None, cache: dict[int, bool]) -> b
 
 
 class StreamPool:
-    """Free memory for streams: the BFC core's chunks tagged with the stream that freed
-    them, a fast path of parked chunks in front of it, and regions from ``base``.
+    """Free memory for streams: two BFC cores (small and large requests) whose free chunks
+    are tagged with the stream that freed them, a fast path of parked chunks in front of
+    the small one, and regions from ``base``.
 
     A chunk's ``tag`` is the stream it was allocated on while in use, and after the free
     the stream that may still use it (``None`` once that work is done); its ``mark`` is
-    that stream's sync id at the free.
+    that stream's sync id at the free. Its ``cls`` is the size class it was handed out
+    for when it may be parked, 0 when it may not, -1 for a reserved region's chunk.
 
-    The fast path: a freed chunk is parked in ``fast[size class][tag]``, a short list
-    (highest address first) that the next request of that class on the same stream
-    pops without walking bins; ``None``'s list serves every stream, and a request on
-    another stream takes a parked chunk only where the stream rule allows it. Among the
-    chunks a request may take, it gets the lowest address, as best fit would pick.
-    Parked chunks are in use as far as the core knows; they go back to it on pressure
-    (before the arena would extend, on ``shrink()`` and close) and whenever a caller
-    looks at the chunks.
+    The fast path: a freed small chunk is parked in a short list per size class
+    (highest address first, so ``pop()`` gives the lowest) that the next request of
+    that class pops without looking at bins: ``parked[size class]`` for chunks nobody
+    may still be using, which serve every request, and ``stream_parked[size
+    class][stream]`` for chunks a stream freed before it passed the work that used
+    them, which serve that stream, and another one only where the stream rule allows
+    it. When a request's own list is empty, it gets the lowest address among the
+    parked chunks it may take, as best fit would pick. Parked chunks are in use as far
+    as the core knows; they go back to it before the arena grows (see
+    ``grow_and_find``), on ``shrink()`` and close, and whenever a caller looks at the
+    chunks.
     """
 
     def __init__(
@@ -76,66 +97,103 @@ class StreamPool:
         self.name = base.memory_info.name
         self.limit = config.limit
         self.unit = unit
-        self.core = core = returns.core
-        self.sizer = RegionSizer(config, unit, self.limit)
+        self.small = BfcCore(unit, config.max_dead_bytes_per_chunk)
+        self.large = BfcCore(unit, config.max_dead_bytes_per_chunk)
+        self.cores = (self.small, self.large)
+        self.sizer = RegionSizer(config, unit, self.limit, len(self.cores))
         self.returns = returns
-        assert core.unit == unit
-        self.fast: dict[int, dict[SyncStream | None, list[Chunk]]] = {}
+        self.parked: dict[int, list[Chunk]] = {}
+        self.stream_parked: dict[int, dict[SyncStream, list[Chunk]]] = {}
         self.max_reserved = 0
         self.shrinkages = 0
         self.tagged = False  # set once a stream allocates: free chunks may carry tags
+        # Bytes of parked chunks given back to make room (see grow_and_find) since the
+        # small pool last grew: once they pass the pool's size, the pool thrashes (the
+        # fast path's working set does not fit in it), and it grows instead.
+        self.evicted = 0
         self.exact = config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED
+
+    # -- the cores together -------------------------------------------------------------------
+    @property
+    def reserved(self) -> int:
+        """Bytes of every region."""
+        return self.small.reserved + self.large.reserved
+
+    def regions(self) -> list[Region]:
+        """Every region of both pools."""
+        return self.small.regions + self.large.regions
+
+    def largest_free(self) -> int:
+        """The largest free chunk of either pool (0 when none)."""
+        return max(self.small.largest_free(), self.large.largest_free())
+
+    def walk(self) -> Iterator[Chunk]:
+        """Every chunk of every region, in address order."""
+        for region in sorted(self.regions(), key=lambda r: r.ptr):
+            c: Chunk | None = region.head
+            while c is not None:
+                yield c
+                c = c.next
 
     # -- taking ------------------------------------------------------------------------------
     def take(self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int) -> Chunk:
         """A chunk of class ``rounded`` for ``stream`` when its own parked list is empty:
-        an untagged parked one, another stream's that the rule allows, the core's best
-        fit, or a new region.
+        an untagged parked one, another stream's that the rule allows, the pool's best
+        fit, or a new region; its ``cls`` set.
 
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
         if stream is not None:
             self.tagged = True
-        per = self.fast.get(rounded)
-        if per:
-            chunk = self._take_parked(per, stream)
+        if rounded <= PARK_MAX:
+            chunk = self._take_parked(rounded, stream)
             if chunk is not None:
                 return chunk
-        chunk = self.find(rounded, stream)
-        if chunk is None:
-            chunk = self.grow_and_find(nbytes, rounded, stream, in_use)
+            chunk = self.find(self.small, rounded, stream)
+            if chunk is None:
+                chunk = self.grow_and_find(nbytes, rounded, stream, in_use, SMALL)
+        else:
+            chunk = self.find(self.large, rounded, stream) or self.find(self.small, rounded, stream)
+            if chunk is None:
+                chunk = self.grow_and_find(nbytes, rounded, stream, in_use, LARGE)
+        # Only small chunks of the small pool are parked when freed.
+        chunk.cls = rounded if rounded <= PARK_MAX and chunk.region.core is self.small else 0
         return chunk
 
-    @staticmethod
-    def _take_parked(
-        per: dict[SyncStream | None, list[Chunk]], stream: SyncStream | None
-    ) -> Chunk | None:
-        # The lowest usable address among the parked chunks of one class.
+    def _take_parked(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
+        """The lowest address among the parked chunks of class ``rounded`` that ``stream``
+        may take, taken out of its list; None when there is none."""
         best: Chunk | None = None
-        best_owner: SyncStream | None = None
-        cache: dict[int, bool] = {}
-        for owner, parked in per.items():
-            if not parked:
-                continue
-            if owner is None or owner is stream:
-                chunk = parked[-1]  # the list's lowest address, and every one is usable
-                if best is None or chunk.ptr < best.ptr:
-                    best, best_owner = chunk, owner
-                continue
-            for chunk in parked:
-                if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
-                    best, best_owner = chunk, owner
-        if best is None:
+        best_list: list[Chunk] | None = None
+        host = self.parked.get(rounded)
+        if host:
+            best, best_list = host[-1], host  # every one is usable; the last is the lowest
+        per = self.stream_parked.get(rounded)
+        if per:
+            cache: dict[int, bool] = {}
+            for owner, parked in per.items():
+                if owner is stream:
+                    chunk = parked[-1]
+                    if best is None or chunk.ptr < best.ptr:
+                        best, best_list = chunk, parked
+                    continue
+                for chunk in parked:
+                    if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
+                        best, best_list = chunk, parked
+        if best is None or best_list is None:
             return None
-        parked = per[best_owner]
-        parked.remove(best)
-        if not parked and best_owner is not None:
-            del per[best_owner]  # streams come and go: no empty lists for them
+        best_list.remove(best)
+        if not best_list and per:
+            for owner, parked in list(per.items()):
+                if not parked:
+                    del per[owner]  # streams come and go: no empty lists for them
+            if not per:
+                del self.stream_parked[rounded]
         return best
 
-    def find(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
-        """The core's best-fitting chunk that ``stream`` may use, or None.
+    def find(self, core: BfcCore, rounded: int, stream: SyncStream | None) -> Chunk | None:
+        """``core``'s best-fitting chunk that ``stream`` may use, or None.
 
         Under ``SAME_AS_REQUESTED``, when that chunk came from a wholly free region at
         most twice the request that would leave at least max(1 MiB, 1/8 of the request)
@@ -144,9 +202,9 @@ class StreamPool:
         """
         if self.tagged:
             cache: dict[int, bool] = {}
-            chunk = self.core.alloc(rounded, stream, lambda c: usable(c, stream, cache))
+            chunk = core.alloc(rounded, stream, lambda c: usable(c, stream, cache))
         else:  # no stream has allocated yet: every free chunk is untagged
-            chunk = self.core.alloc(rounded)
+            chunk = core.alloc(rounded)
         if chunk is not None and self.exact and chunk.prev is None:
             size = chunk.region.size
             rest = chunk.next
@@ -156,72 +214,123 @@ class StreamPool:
                 and (rest is None or (not rest.in_use and rest.next is None))
                 and chunk.tag is None  # nobody may still use it: it can go back to the base
             ):
-                return self._resize_region(chunk, rounded)
+                return self._resize_region(core, chunk, rounded)
         return chunk
 
-    def _resize_region(self, chunk: Chunk, rounded: int) -> Chunk | None:
+    def _resize_region(self, core: BfcCore, chunk: Chunk, rounded: int) -> Chunk | None:
         region = chunk.region
-        self.core.free(chunk)
-        self.core.remove_region(region)
+        core.free(chunk)
+        core.remove_region(region)
         self.shrinkages += 1
         free_handles([region])
+        pool = self.cores.index(core)
         try:
-            self.new_region(rounded, dedicated=False)
+            self.new_region(rounded, dedicated=False, pool=pool)
         except DeviceError:
             return None  # the caller extends (or reports the failure) as for any miss
-        return self.core.alloc(rounded)  # the new region fits it exactly
+        return core.alloc(rounded)  # the new region fits it exactly
+
+    def _find_anywhere(self, rounded: int, stream: SyncStream | None, pool: int) -> Chunk | None:
+        # The request's own pool first, then the other one (a large request already may).
+        chunk = self.find(self.cores[pool], rounded, stream)
+        if chunk is None and pool == LARGE:
+            chunk = self.find(self.small, rounded, stream)
+        return chunk
 
     def grow_and_find(
-        self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int
+        self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int, pool: int
     ) -> Chunk:
-        """A chunk after freeing parked chunks, untagging passed ones, and else extending.
+        """A chunk once the parked chunks in the way go back (see below) or streams that
+        passed their frees are untagged, else from a new region of ``pool``, else (the
+        arena cannot grow) after every parked chunk goes back, and from the other pool.
 
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
-        if self.fast and self.flush_run(rounded):
-            chunk = self.find(rounded, stream)
+        # Parked chunks in the way go back before the arena grows (ORT reuses freed memory
+        # first), unless that keeps evicting more than the small pool holds: then the fast
+        # path's working set does not fit, and the pool grows instead (amortized: each
+        # growth follows at most the pool's size in evictions, and the pool doubles).
+        if self.parked and self.evicted < self.small.reserved and self.flush_run(rounded):
+            chunk = self.find(self.small, rounded, stream)
             if chunk is not None:
                 return chunk
-        flushed = self.flush()
-        if self.reset_passed_streams() or flushed:
-            chunk = self.find(rounded, stream)
+        if self.reset_passed_streams():
+            chunk = self._find_anywhere(rounded, stream, pool)
             if chunk is not None:
                 return chunk
         # Wholly free regions did not fit the request (regions never coalesce with each
         # other): give them back before extending, so the new region does not add to them.
         if self.returns.polled:
             self.returns.give_back_polled()
-        gone = self.take_free_regions()
-        if gone:
-            self.shrinkages += len(gone)
-            free_handles(gone)
-        self.extend(nbytes, rounded, in_use)
-        chunk = self.find(rounded, stream)
+        self._give_back_free_regions(self.cores if pool == LARGE else (self.small,))
+        try:
+            self.extend(nbytes, rounded, in_use, pool)
+        except DeviceError:
+            chunk = self._reclaim(nbytes, rounded, stream, in_use, pool)
+            if chunk is None:
+                raise
+            return chunk
+        chunk = self.find(self.cores[pool], rounded, stream)
         if chunk is None:  # pragma: no cover - a fresh region always fits
             raise DeviceError(f"arena {self.name!r}: no chunk after extending")
         return chunk
 
-    def extend(self, nbytes: int, rounded: int, in_use: int) -> None:
-        """Add a region that fits ``rounded`` bytes, under the limit."""
-        available = (self.limit - self.core.reserved) // self.unit * self.unit
+    def _reclaim(
+        self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int, pool: int
+    ) -> Chunk | None:
+        """Under pressure (the arena cannot extend): the parked chunks in the way of the
+        request go back, then every parked chunk, then the other pool is tried and the
+        regions that became wholly free go back for one more extension."""
+        if self.parked and self.flush_run(rounded):
+            chunk = self.find(self.small, rounded, stream)
+            if chunk is not None:
+                return chunk
+        if self.flush():
+            chunk = self.find(self.small, rounded, stream)
+            if chunk is not None:
+                return chunk
+        chunk = self.find(self.cores[1 - pool], rounded, stream)
+        if chunk is not None:
+            return chunk
+        if self._give_back_free_regions(self.cores):
+            try:
+                self.extend(nbytes, rounded, in_use, pool)
+            except DeviceError:
+                return None
+            return self.find(self.cores[pool], rounded, stream)
+        return None
+
+    def _give_back_free_regions(self, cores: tuple[BfcCore, ...]) -> int:
+        gone = [r for core in cores for r in core.free_regions() if not r.dedicated]
+        for region in gone:
+            region.core.remove_region(region)  # type: ignore[union-attr]
+        if gone:
+            self.shrinkages += len(gone)
+            free_handles(gone)
+        return len(gone)
+
+    def extend(self, nbytes: int, rounded: int, in_use: int, pool: int) -> None:
+        """Add a region of ``pool`` that fits ``rounded`` bytes, under the limit."""
+        available = (self.limit - self.reserved) // self.unit * self.unit
         if rounded > available:
             why = f"only {available} bytes are left under the limit"
             raise self.oom(nbytes, rounded, why, in_use)
-        size = self.sizer.size_for(rounded, available, self.core.reserved - self.core.in_use)
+        core = self.cores[pool]
+        size = self.sizer.size_for(pool, rounded, available, core.reserved - core.in_use)
         while True:
             try:
-                self.new_region(size, dedicated=False)
+                self.new_region(size, dedicated=False, pool=pool)
                 return
             except DeviceError as exc:
-                smaller = self.core.round(int(size * _BACKPEDAL))
+                smaller = core.round(int(size * _BACKPEDAL))
                 if smaller < rounded or smaller < 8192 or smaller >= size:
                     why = f"the base allocator failed: {exc}"
                     raise self.oom(nbytes, rounded, why, in_use) from exc
                 size = smaller
 
-    def new_region(self, size: int, *, dedicated: bool) -> Region:
-        """A region of ``size`` bytes from the base allocator, added to the core.
+    def new_region(self, size: int, *, dedicated: bool, pool: int = LARGE) -> Region:
+        """A region of ``size`` bytes from the base allocator, added to ``pool``'s core.
 
         Raises:
             DeviceError: the base allocator failed.
@@ -238,9 +347,12 @@ class StreamPool:
             raise DeviceError(
                 f"arena {self.name!r}: base allocator out of memory for {size} bytes"
             ) from exc
-        region = self.core.add_region(buffer.ptr, size, buffer, dedicated=dedicated)
-        if self.core.reserved > self.max_reserved:
-            self.max_reserved = self.core.reserved
+        region = self.cores[pool].add_region(buffer.ptr, size, buffer, dedicated=dedicated)
+        if pool == SMALL:
+            self.evicted = 0
+        reserved = self.reserved
+        if reserved > self.max_reserved:
+            self.max_reserved = reserved
         if not dedicated:
             self.sizer.extensions += 1
         return region
@@ -251,46 +363,51 @@ class StreamPool:
         return DeviceError(
             f"arena {self.name!r}: out of memory allocating {nbytes} bytes "
             f"(rounded to {rounded}): {why}; {limit}, {in_use} bytes in use, "
-            f"{self.core.reserved} reserved, largest free block {self.core.largest_free()} bytes"
+            f"{self.reserved} reserved, largest free block {self.largest_free()} bytes"
         )
 
     # -- giving back -------------------------------------------------------------------------
     def put_back(self, chunk: Chunk, *, closed: bool) -> Region | None:
-        """Take back a chunk whose buffer was freed: park it, or free it in the core.
+        """Take back a chunk whose buffer was released: park it, or free it in its core.
 
         Returns a region that is now wholly free and that no stream uses, removed from
-        the core, for the caller to give back (outside its lock).
+        its core, for the caller to give back (outside its lock).
         """
         stream: SyncStream | None = chunk.tag  # type: ignore[assignment]
-        if stream is not None:
-            # The point in the stream's order after the work that used this chunk.
-            chunk.mark = stream._sync_id
-            if idle(stream):
-                chunk.tag = stream = None  # that work is done: anyone may take it
+        # A tagged chunk's mark is its stream's point at the release (set by the release).
+        if stream is not None and idle(stream):
+            chunk.tag = stream = None  # that work is done: anyone may take it
         region = chunk.region
+        core: BfcCore = region.core  # type: ignore[assignment]
         if not region.dedicated and not closed:
-            if chunk.cls > PARK_MAX or not self.park(chunk, stream):
-                self.core.free(chunk, chunk.tag, chunk.mark)
+            if not chunk.cls or not self.park(chunk, stream):
+                core.free(chunk, chunk.tag, chunk.mark)
             return None  # the region stays, free or not, until pressure or shrink()
-        merged = self.core.free(chunk, chunk.tag, chunk.mark)
+        merged = core.free(chunk, chunk.tag, chunk.mark)
         if not region.wholly_free:
             return None
         if merged.tag is None:
-            self.core.remove_region(region)
+            core.remove_region(region)
             return region
         self.returns.watch.append(region)  # freed while its stream may still use it
         return None
 
     def park(self, chunk: Chunk, tag: SyncStream | None) -> bool:
         """Park a freed chunk in its class's list for ``tag``; False when that list is full."""
-        per = self.fast.get(chunk.cls)
-        if per is None:
-            self.fast[chunk.cls] = {tag: [chunk]}
-            return True
-        parked = per.get(tag)
-        if parked is None:
-            per[tag] = [chunk]
-            return True
+        if tag is None:
+            parked = self.parked.get(chunk.cls)
+            if parked is None:
+                self.parked[chunk.cls] = [chunk]
+                return True
+        else:
+            per = self.stream_parked.get(chunk.cls)
+            if per is None:
+                self.stream_parked[chunk.cls] = {tag: [chunk]}
+                return True
+            parked = per.get(tag)
+            if parked is None:
+                per[tag] = [chunk]
+                return True
         n = len(parked)
         if n >= MAX_PARKED:
             return False
@@ -309,30 +426,36 @@ class StreamPool:
 
         It takes the smallest run of untagged free and parked chunks that would hold
         ``rounded`` bytes once merged, and within it the fewest chunks around its
-        largest free one; the other parked chunks stay for their sizes.
+        largest free one; the other parked chunks stay for their sizes. Runs are found
+        from the parked chunks (each run looked at once), never by walking the regions.
         """
-        parked = {id(c) for per in self.fast.values() for c in per.get(None, ())}
+        parked = {id(c) for chunks in self.parked.values() for c in chunks}
         if not parked:
             return False
+
+        def in_run(c: Chunk | None) -> bool:
+            return c is not None and c.tag is None and (not c.in_use or id(c) in parked)
+
+        seen: set[int] = set()
         best: list[Chunk] = []
         best_size = 0
-        for region in self.core.regions:
-            if region.dedicated:
-                continue
-            run: list[Chunk] = []
-            size = 0
-            c: Chunk | None = region.head
-            while True:
-                if c is not None and c.tag is None and (not c.in_use or id(c) in parked):
+        for chunks in self.parked.values():
+            for start in chunks:
+                if id(start) in seen:
+                    continue
+                while in_run(start.prev):
+                    start = start.prev  # type: ignore[assignment]
+                run: list[Chunk] = []
+                size = 0
+                c: Chunk | None = start
+                while in_run(c):
+                    assert c is not None
                     run.append(c)
+                    seen.add(id(c))
                     size += c.size
-                else:
-                    if size >= rounded and (not best or size < best_size):
-                        best, best_size = run, size
-                    if c is None:
-                        break
-                    run, size = [], 0
-                c = c.next
+                    c = c.next
+                if size >= rounded and (not best or size < best_size):
+                    best, best_size = run, size
         if not best:
             return False
         # Grow a window from the run's largest free chunk, the bigger neighbour first.
@@ -349,48 +472,70 @@ class StreamPool:
                 hi += 1
                 size += right
         to_free = [c for c in best[lo : hi + 1] if c.in_use]
+        self.evicted += sum(c.size for c in to_free)
         for chunk in to_free:
-            self.fast[chunk.cls][None].remove(chunk)
-            self.core.free(chunk, None, chunk.mark)
+            self.parked[chunk.cls].remove(chunk)
+            self.small.free(chunk, None, chunk.mark)
         return bool(to_free)
 
     def flush(self) -> int:
-        """Free every parked chunk in the core, where it merges; returns how many."""
-        fast = self.fast
-        if not fast:
-            return 0
-        parked = [c for per in fast.values() for chunks in per.values() for c in chunks]
-        fast.clear()
-        free = self.core.free
+        """Free every parked chunk in its core, where it merges; returns how many."""
+        parked = [c for chunks in self.parked.values() for c in chunks]
+        parked += [
+            c for per in self.stream_parked.values() for chunks in per.values() for c in chunks
+        ]
+        self.parked.clear()
+        self.stream_parked.clear()
         for chunk in parked:
-            free(chunk, chunk.tag, chunk.mark)
+            chunk.region.core.free(chunk, chunk.tag, chunk.mark)  # type: ignore[union-attr]
         return len(parked)
 
     def reset_passed_streams(self) -> int:
-        """Untag free chunks whose stream has passed their point; returns how many."""
-        self.flush()
+        """Untag the free and parked chunks whose stream has passed their point; returns
+        how many. Looks only at chunks a stream may still use (indexed by stream)."""
         cache: dict[int, bool] = {}
-        passed = [
-            chunk
-            for chunk in self.core.free_chunks()
-            if chunk.tag is not None and usable(chunk, None, cache)
-        ]
-        for chunk in passed:
-            # An earlier one in this loop may have merged this chunk into a neighbour.
-            self.core.retag(chunk)
-        return len(passed)
+        passed = 0
+        for cls, per in list(self.stream_parked.items()):
+            for owner in list(per):
+                keep = []
+                for chunk in per[owner]:
+                    if usable(chunk, None, cache):
+                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+                        passed += 1
+                    else:
+                        keep.append(chunk)
+                if keep:
+                    per[owner] = keep
+                else:
+                    del per[owner]
+            if not per:
+                del self.stream_parked[cls]
+        for core in self.cores:
+            if not core.tagged:
+                continue
+            for tag in list(core.tagged):
+                for chunk in core.tagged_chunks(tag):
+                    # An earlier one in this loop may have merged this chunk into a neighbour.
+                    if usable(chunk, None, cache) and core.retag(chunk) is not None:
+                        passed += 1
+        return passed
 
     def release_stream(self, stream: SyncStream) -> None:
-        """Untag every free chunk of ``stream`` (ORT's ``ReleaseStreamBuffers``)."""
-        self.flush()
-        for chunk in self.core.free_chunks():
-            if chunk.tag is stream:
-                self.core.retag(chunk)
+        """Untag every free and parked chunk of ``stream`` (ORT's ``ReleaseStreamBuffers``)."""
+        for cls, per in list(self.stream_parked.items()):
+            for chunk in per.pop(stream, ()):
+                chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+            if not per:
+                del self.stream_parked[cls]
+        for core in self.cores:
+            for chunk in core.tagged_chunks(stream):
+                core.retag(chunk)
 
     def take_free_regions(self) -> list[Region]:
-        """Remove wholly free regions that no stream may still use from the core."""
+        """Remove wholly free regions that no stream may still use from the cores (parked
+        chunks go back first)."""
         self.flush()
-        gone = [r for r in self.core.free_regions() if not r.dedicated]
+        gone = [r for core in self.cores for r in core.free_regions() if not r.dedicated]
         for region in gone:
-            self.core.remove_region(region)
+            region.core.remove_region(region)  # type: ignore[union-attr]
         return gone

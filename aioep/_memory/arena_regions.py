@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .arena_config import ArenaConfig, ArenaExtendStrategy
-from .bfc import BfcCore, Region
+from .bfc import Region
 
 if TYPE_CHECKING:
     from .._streams.notification import Notification
@@ -18,15 +18,24 @@ __all__ = ["RegionReturns", "RegionSizer"]
 
 
 class RegionSizer:
-    """The size of each new region under the extend strategy (ORT's ``BFCArena::Extend``)."""
+    """The size of each new region under the extend strategy (ORT's ``BFCArena::Extend``),
+    for each of the arena's pools.
 
-    __slots__ = ("cap", "config", "extensions", "next_bytes", "unit")
+    The arena's first region is ``initial_chunk_size_bytes`` and its second
+    ``initial_growth_chunk_size_bytes``, then sizes double (ORT's sequence). Each pool
+    doubles on its own: a pool that starts after the arena's first region starts at the
+    growth size, so a large initial chunk is reserved once, not once per pool.
+    """
 
-    def __init__(self, config: ArenaConfig, unit: int, limit: int) -> None:
+    __slots__ = ("cap", "config", "extensions", "growth", "initial", "next_bytes", "unit")
+
+    def __init__(self, config: ArenaConfig, unit: int, limit: int, pools: int = 2) -> None:
         self.config = config
         self.unit = unit
         self.cap = max(config.max_power_of_two_extend_bytes, unit)
-        self.next_bytes = self.round(min(limit, config.initial_chunk_size_bytes))
+        self.initial = self.round(min(limit, config.initial_chunk_size_bytes))
+        self.growth = max(self.round(config.initial_growth_chunk_size_bytes), unit)
+        self.next_bytes = [0] * pools  # per pool; 0 until the pool's first region
         self.extensions = 0  # regions added by extending (ORT's NumArenaExtensions)
 
     def round(self, nbytes: int) -> int:
@@ -34,10 +43,10 @@ class RegionSizer:
         unit = self.unit
         return (nbytes + unit - 1) // unit * unit
 
-    def size_for(self, rounded: int, available: int, free: int = 0) -> int:
-        """The next region's size for a request of ``rounded`` bytes (``available`` > it is
-        what the limit leaves, ``free`` the bytes free in the arena's regions), and the
-        strategy's state moved on.
+    def size_for(self, pool: int, rounded: int, available: int, free: int = 0) -> int:
+        """The next region's size for pool ``pool`` and a request of ``rounded`` bytes
+        (``available`` > it is what the limit leaves, ``free`` the bytes free in the
+        pool's regions), and the strategy's state moved on.
 
         Under ``NEXT_POWER_OF_TWO``, when the free bytes could hold the request but no
         free chunk does (fragmentation, not a lack of memory), the region is just the
@@ -45,36 +54,37 @@ class RegionSizer:
         """
         if self.config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED:
             return rounded
-        if self.extensions and free >= rounded:
+        size = self.next_bytes[pool]
+        if size and free >= rounded:
             return rounded
-        size = self.next_bytes
+        first_of_arena = False
+        if not size:
+            first_of_arena = not self.extensions
+            size = self.initial if first_of_arena else self.growth
         grew = False
         while size < rounded:
             size *= 2
             grew = True
-        if self.extensions == 0:
-            following = self.round(self.config.initial_growth_chunk_size_bytes)
+        if first_of_arena:
+            following = self.growth
         elif grew:
             following = size
         else:
             following = size * 2
-        self.next_bytes = max(min(following, self.cap), self.unit)
+        self.next_bytes[pool] = max(min(following, self.cap), self.unit)
         return min(size, available)
 
 
 class RegionReturns:
     """Wholly free regions whose stream may still use them, given back once it has passed.
 
-    ``lock`` is the arena's: it guards ``core`` and the lists here. ``given_back`` is
-    called (lock not held) after each region goes back.
+    ``lock`` is the arena's: it guards the BFC cores and the lists here. ``given_back``
+    is called (lock not held) after each region goes back.
     """
 
-    __slots__ = ("core", "given_back", "lock", "polled", "watch")
+    __slots__ = ("given_back", "lock", "polled", "watch")
 
-    def __init__(
-        self, core: BfcCore, lock: threading.RLock, given_back: Callable[[], None]
-    ) -> None:
-        self.core = core
+    def __init__(self, lock: threading.RLock, given_back: Callable[[], None]) -> None:
         self.lock = lock
         self.given_back = given_back
         self.watch: list[Region] = []  # to hand to watch_all once the lock is released
@@ -134,11 +144,12 @@ class RegionReturns:
         return freed
 
     def give_back(self, region: Region) -> int:
-        """Return a region to the base if it is still this core's and wholly free; its bytes."""
+        """Return a region to the base if it is still in its core and wholly free; its bytes."""
         with self.lock:
-            if region.core is not self.core or not region.wholly_free:
+            core = region.core
+            if core is None or not region.wholly_free:
                 return 0
-            self.core.remove_region(region)
+            core.remove_region(region)
         free_handles([region])
         self.given_back()
         return region.size

@@ -7,11 +7,19 @@ request takes the smallest free chunk that fits (lowest address on ties) and
 splits off the rest when that wastes too much; a freed chunk merges with its free
 neighbours.
 
+A bin is a sorted list of ints, ``size << 64 | ptr``: one ``bisect`` finds the
+best fit, and inserting or removing a chunk is one ``bisect`` and one list edit
+(ints compare in C, several times faster than tuples). ``free_at`` maps each binned
+chunk's address to the chunk.
+
 Free chunks carry an opaque ``tag`` (who may still be using the memory; ``None``
 means nobody) and an int ``mark`` that the layer above interprets. A request
 takes an untagged chunk, one tagged with its own tag, or one its ``accept``
 predicate allows; neighbours merge only when their tags are the same object, and
-the merged chunk keeps the larger mark. The arena builds its stream rule on that.
+the merged chunk keeps the larger mark. ``tagged`` indexes the binned chunks of
+each tag, so the layer above finds a tag's free chunks without walking the bins.
+Tags are compared by identity and must hash by it (any object that does not
+override ``__eq__``). The arena builds its stream rule on that.
 
 Not thread-safe: the arena calls it under its lock.
 """
@@ -23,35 +31,32 @@ from collections.abc import Callable, Iterator
 
 from .._base.errors import InvalidArgument
 
-__all__ = ["MIN_ALLOCATION_SIZE", "NUM_BINS", "BfcCore", "Chunk", "Region"]
+__all__ = ["MIN_ALLOCATION_SIZE", "NUM_BINS", "BfcCore", "Chunk", "Region", "bin_of"]
 
 MIN_ALLOCATION_BITS = 8
 MIN_ALLOCATION_SIZE = 1 << MIN_ALLOCATION_BITS  # 256 B, as ORT's kMinAllocationSize
 NUM_BINS = 21  # bin i holds free chunks of [256 << i, 256 << (i + 1)); the last has no top
+_KEY_SHIFT = 64  # a bin key is size << 64 | ptr: addresses are below 2**64
+_PTR_MASK = (1 << _KEY_SHIFT) - 1
 _bisect_left = bisect.bisect_left
 _insort = bisect.insort
 _new_chunk = object.__new__
 
 
+def bin_of(size: int) -> int:
+    """The bin that holds free chunks of ``size`` bytes."""
+    b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+    return b if b < NUM_BINS else NUM_BINS - 1
+
+
 class Chunk:
     """A span of a region: in use, or free in a bin (dedicated regions' heads are never binned).
 
-    ``requested`` and ``cls`` belong to the layer above (the request's bytes and the
-    size class it was handed out for); the core never reads them.
+    ``cls`` belongs to the layer above (the size class it was handed out for); the
+    core never reads it.
     """
 
-    __slots__ = (
-        "cls",
-        "in_use",
-        "mark",
-        "next",
-        "prev",
-        "ptr",
-        "region",
-        "requested",
-        "size",
-        "tag",
-    )
+    __slots__ = ("cls", "in_use", "mark", "next", "prev", "ptr", "region", "size", "tag")
 
     def __init__(self, ptr: int, size: int, region: Region) -> None:
         self.ptr = ptr
@@ -60,7 +65,6 @@ class Chunk:
         self.in_use = False
         self.tag: object = None
         self.mark = 0
-        self.requested = 0
         self.cls = size
         self.prev: Chunk | None = None
         self.next: Chunk | None = None
@@ -91,7 +95,7 @@ class Region:
 
 
 class BfcCore:
-    """Bins, chunks and regions of one arena, in units of ``unit`` bytes.
+    """Bins, chunks and regions of one arena pool, in units of ``unit`` bytes.
 
     Args:
         unit: every chunk size is a multiple of it (>= 256; the memory's alignment).
@@ -104,7 +108,9 @@ class BfcCore:
             raise InvalidArgument(f"BfcCore: unit must be >= {MIN_ALLOCATION_SIZE}, got {unit}")
         self.unit = unit
         self.max_dead = max_dead
-        self.bins: list[list[tuple[int, int, Chunk]]] = [[] for _ in range(NUM_BINS)]
+        self.bins: list[list[int]] = [[] for _ in range(NUM_BINS)]
+        self.free_at: dict[int, Chunk] = {}  # address -> binned free chunk
+        self.tagged: dict[object, dict[int, Chunk]] = {}  # tag -> address -> binned chunk
         self.nonempty = 0  # bit i set <=> bin i has a free chunk
         self.regions: list[Region] = []
         self.in_use = 0  # bytes of chunks in use
@@ -119,10 +125,12 @@ class BfcCore:
 
         Raises:
             InvalidArgument: ``size`` is not a positive multiple of the unit (a
-                dedicated region may have any size > 0).
+                dedicated region may have any size > 0), or the range passes 2**64.
         """
         if size <= 0 or (not dedicated and size % self.unit):
             raise InvalidArgument(f"BfcCore: region size {size} is not a multiple of {self.unit}")
+        if ptr < 0 or ptr + size > 1 << _KEY_SHIFT:
+            raise InvalidArgument(f"BfcCore: region {ptr:#x} + {size} is not a 64-bit range")
         region = Region(self, ptr, size, handle, dedicated)
         self.regions.append(region)
         self.reserved += size
@@ -174,27 +182,66 @@ class BfcCore:
             b = NUM_BINS - 1
         mask = self.nonempty >> b
         bins = self.bins
+        free_at = self.free_at
+        lowest = rounded << _KEY_SHIFT
         while mask:
-            skip = (mask & -mask).bit_length() - 1
-            b += skip
-            mask >>= skip
-            free = bins[b]
-            for j in range(_bisect_left(free, (rounded,)), len(free)):
-                chunk = free[j][2]
+            if not mask & 1:
+                skip = (mask & -mask).bit_length() - 1
+                b += skip
+                mask >>= skip
+            keys = bins[b]
+            for j in range(_bisect_left(keys, lowest), len(keys)):
+                chunk = free_at[keys[j] & _PTR_MASK]
                 owner = chunk.tag
                 if owner is None or owner is tag or (accept is not None and accept(chunk)):
-                    del free[j]
-                    if not free:
-                        self.nonempty &= ~(1 << b)
-                    rest = chunk.size - rounded
-                    if rest and (rest >= rounded or rest >= self.max_dead):
-                        self._split(chunk, rounded, rest)
-                    chunk.in_use = True
-                    self.in_use += chunk.size
-                    self.chunks_in_use += 1
-                    return chunk
-            b += 1
-            mask >>= 1
+                    break
+            else:
+                b += 1
+                mask >>= 1
+                continue
+            # Take it out of its bin (inlined _remove: this is the arena's large path).
+            del keys[j]
+            if not keys:
+                self.nonempty &= ~(1 << b)
+            ptr = chunk.ptr
+            del free_at[ptr]
+            if owner is not None:
+                self._unindex(chunk)
+            size = chunk.size
+            rest = size - rounded
+            if rest and (rest >= rounded or rest >= self.max_dead):
+                # Split off the rest, a free chunk with the same tag and mark (inlined
+                # _split and _insert; every slot set here, cheaper than Chunk(...)).
+                new = _new_chunk(Chunk)
+                new.ptr = nptr = ptr + rounded
+                new.size = rest
+                new.region = chunk.region
+                new.in_use = False
+                new.cls = rest
+                new.tag = owner
+                new.mark = chunk.mark
+                new.prev = chunk
+                nxt = new.next = chunk.next
+                if nxt is not None:
+                    nxt.prev = new
+                chunk.next = new
+                chunk.size = size = rounded
+                rb = (rest >> MIN_ALLOCATION_BITS).bit_length() - 1
+                if rb >= NUM_BINS:
+                    rb = NUM_BINS - 1
+                _insort(bins[rb], rest << _KEY_SHIFT | nptr)
+                self.nonempty |= 1 << rb
+                free_at[nptr] = new
+                if owner is not None:
+                    chunks = self.tagged.get(owner)
+                    if chunks is None:
+                        self.tagged[owner] = {nptr: new}
+                    else:
+                        chunks[nptr] = new
+            chunk.in_use = True
+            self.in_use += size
+            self.chunks_in_use += 1
+            return chunk
         return None
 
     def free(self, chunk: Chunk, tag: object = None, mark: int = 0) -> Chunk:
@@ -215,7 +262,46 @@ class BfcCore:
         chunk.mark = mark
         if region.dedicated:
             return chunk
-        return self._coalesce(chunk)
+        if tag is not None:
+            return self._coalesce(chunk)
+        # An untagged chunk (the arena's large path): _coalesce with _remove and _insert
+        # inlined, no tag index to keep.
+        bins = self.bins
+        free_at = self.free_at
+        nxt = chunk.next
+        if nxt is not None and not nxt.in_use and nxt.tag is None:
+            size = nxt.size
+            b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+            if b >= NUM_BINS:
+                b = NUM_BINS - 1
+            keys = bins[b]
+            del keys[_bisect_left(keys, size << _KEY_SHIFT | nxt.ptr)]
+            if not keys:
+                self.nonempty &= ~(1 << b)
+            del free_at[nxt.ptr]
+            _join(chunk, nxt)
+        prev = chunk.prev
+        if prev is not None and not prev.in_use and prev.tag is None:
+            size = prev.size
+            b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+            if b >= NUM_BINS:
+                b = NUM_BINS - 1
+            keys = bins[b]
+            del keys[_bisect_left(keys, size << _KEY_SHIFT | prev.ptr)]
+            if not keys:
+                self.nonempty &= ~(1 << b)
+            del free_at[prev.ptr]
+            _join(prev, chunk)
+            chunk = prev
+        size = chunk.size
+        ptr = chunk.ptr
+        b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
+        if b >= NUM_BINS:
+            b = NUM_BINS - 1
+        _insort(bins[b], size << _KEY_SHIFT | ptr)
+        self.nonempty |= 1 << b
+        free_at[ptr] = chunk
+        return chunk
 
     def retag(self, chunk: Chunk, tag: object = None, mark: int = 0) -> Chunk | None:
         """Give a free chunk a new tag and merge it; None when it is no longer a free chunk
@@ -229,21 +315,22 @@ class BfcCore:
 
     def is_binned(self, chunk: Chunk) -> bool:
         """True when ``chunk`` is a free chunk in this core's bins."""
-        if chunk.in_use or chunk.region.core is not self:
-            return False
-        free = self.bins[self._bin(chunk.size)]
-        i = _bisect_left(free, (chunk.size, chunk.ptr))
-        return i < len(free) and free[i][2] is chunk
+        return self.free_at.get(chunk.ptr) is chunk
 
     def free_chunks(self) -> list[Chunk]:
         """Every binned free chunk."""
-        return [entry[2] for free in self.bins for entry in free]
+        return list(self.free_at.values())
+
+    def tagged_chunks(self, tag: object) -> list[Chunk]:
+        """The binned free chunks tagged ``tag`` (not None)."""
+        chunks = self.tagged.get(tag)
+        return list(chunks.values()) if chunks else []
 
     def largest_free(self) -> int:
         """The size of the largest binned free chunk (0 when none)."""
         if not self.nonempty:
             return 0
-        return self.bins[self.nonempty.bit_length() - 1][-1][0]
+        return self.bins[self.nonempty.bit_length() - 1][-1] >> _KEY_SHIFT
 
     def walk(self) -> Iterator[Chunk]:
         """Every chunk of every region, in address order."""
@@ -254,17 +341,12 @@ class BfcCore:
                 c = c.next
 
     # -- internals ---------------------------------------------------------------------------
-    @staticmethod
-    def _bin(size: int) -> int:
-        return min((size >> MIN_ALLOCATION_BITS).bit_length() - 1, NUM_BINS - 1)
-
     def _split(self, chunk: Chunk, rounded: int, rest: int) -> None:
         new = _new_chunk(Chunk)  # every slot set here: cheaper than Chunk(...) on this path
         new.ptr = chunk.ptr + rounded
         new.size = rest
         new.region = chunk.region
         new.in_use = False
-        new.requested = 0
         new.cls = rest
         new.tag = chunk.tag
         new.mark = chunk.mark
@@ -278,21 +360,41 @@ class BfcCore:
 
     def _insert(self, chunk: Chunk) -> None:
         size = chunk.size
+        ptr = chunk.ptr
         b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
         if b >= NUM_BINS:
             b = NUM_BINS - 1
-        _insort(self.bins[b], (size, chunk.ptr, chunk))
+        _insort(self.bins[b], size << _KEY_SHIFT | ptr)
         self.nonempty |= 1 << b
+        self.free_at[ptr] = chunk
+        tag = chunk.tag
+        if tag is not None:
+            chunks = self.tagged.get(tag)
+            if chunks is None:
+                self.tagged[tag] = {ptr: chunk}
+            else:
+                chunks[ptr] = chunk
 
     def _remove(self, chunk: Chunk) -> None:
         size = chunk.size
+        ptr = chunk.ptr
         b = (size >> MIN_ALLOCATION_BITS).bit_length() - 1
         if b >= NUM_BINS:
             b = NUM_BINS - 1
-        free = self.bins[b]
-        del free[_bisect_left(free, (size, chunk.ptr))]
-        if not free:
+        keys = self.bins[b]
+        del keys[_bisect_left(keys, size << _KEY_SHIFT | ptr)]
+        if not keys:
             self.nonempty &= ~(1 << b)
+        del self.free_at[ptr]
+        if chunk.tag is not None:
+            self._unindex(chunk)
+
+    def _unindex(self, chunk: Chunk) -> None:
+        tag = chunk.tag
+        chunks = self.tagged[tag]
+        del chunks[chunk.ptr]
+        if not chunks:
+            del self.tagged[tag]
 
     def _coalesce(self, chunk: Chunk) -> Chunk:
         """Merge a free chunk with free neighbours of the same tag and bin the result."""

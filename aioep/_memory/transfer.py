@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import InvalidArgument, NotImplementedByEp
+from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import MemoryDevice
 from .._streams.routes import Route, RouteCache, RouteKey
 from .._streams.stream_impl import NotificationImpl, StreamImpl
@@ -20,7 +21,8 @@ from .._tensors.tensor import Tensor, as_tensor
 
 __all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
 
-TensorLike = Tensor | npt.NDArray[Any]
+# What copy_tensors takes: other libraries' tensors type-check through the two protocols.
+TensorLike = Tensor | npt.NDArray[Any] | SupportsDLPack | SupportsCudaArrayInterface
 CopyPair = tuple[Tensor, Tensor]
 
 

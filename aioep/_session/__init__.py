@@ -1,7 +1,8 @@
 """Sessions and EPs: partition a model, compile its parts, run it.
 
-``session`` (`Session`), ``plan`` (partition, compile, place
-initializers), ``run`` (one ``run``: inputs in, steps on their streams, outputs out),
+``session`` (`Session`), ``node_arg`` (inputs and outputs as onnxruntime's
+``NodeArg``), ``plan`` (partition, compile, place initializers), ``run`` (one ``run``:
+inputs in, steps on their streams, outputs out),
 ``values`` (inputs and outputs, checked), ``workers`` (the session's threads),
 ``io_binding`` (`IOBinding`), ``partition`` (EPs claim nodes, as ORT's
 partitioner does), ``cpu_fallback`` (onnxruntime runs what no EP claimed) and ``ep``

@@ -32,6 +32,11 @@ def _session_options(opts: Mapping[str, Any]) -> Any:
     for key in ("intra_op_num_threads", "inter_op_num_threads"):
         if opts.get(key) is not None:
             setattr(so, key, int(opts[key]))
+    folder = opts.get("external_data_dir")
+    if folder is not None:  # where a model given as bytes or a proto keeps its external data
+        so.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", os.fspath(folder)
+        )
     return so
 
 
@@ -107,11 +112,19 @@ def _load_part(graph: GraphView, step: PlanStep, so: Any, whole: bool) -> None:
         raise EpError(f"CPU fallback part {meta.name!r} does not produce {missing}")
 
 
-def run_ort(session: Any, feeds: dict[str, Any]) -> list[Any]:
-    """``session.run`` on ``feeds``, its errors as `DeviceError`."""
+def run_ort(
+    session: Any, feeds: dict[str, Any], names: list[str] | None = None, run_options: Any = None
+) -> list[Any]:
+    """``session.run(names, feeds, run_options)``, its errors as `DeviceError` (a run
+    stopped by ``run_options.terminate`` as `EpError`)."""
     try:
-        return list(session.run(None, feeds))
+        return list(session.run(names, feeds, run_options))
     except Exception as exc:
+        if run_options is not None and run_options.terminate:
+            raise EpError(
+                "run: run_options.terminate is set: onnxruntime stopped the run "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         raise DeviceError(f"onnxruntime CPU fallback failed: {type(exc).__name__}: {exc}") from exc
 
 

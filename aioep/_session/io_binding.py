@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
+from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
 from .._interop.foreign import import_value, is_foreign
 from .._streams.notification import Notification
@@ -67,7 +68,11 @@ class IOBinding:
             self._producer_work[key] = work
 
     # -- inputs ----------------------------------------------------------------------------
-    def bind_input(self, name: str, value: Tensor | npt.NDArray[Any]) -> None:
+    def bind_input(
+        self,
+        name: str,
+        value: Tensor | npt.NDArray[Any] | SupportsDLPack | SupportsCudaArrayInterface,
+    ) -> None:
         """Bind ``value`` (a tensor on any device the session can read, a numpy array, or
         another library's tensor: DLPack, CUDA Array Interface) to model input ``name``;
         it replaces what was bound there."""
@@ -154,6 +159,11 @@ class IOBinding:
                     f"{where}: {type(value).__name__} is not C-contiguous (strides "
                     f"{imported.strides}); bind a contiguous tensor"
                 )
+            if imported.buffer.freed:
+                raise InvalidArgument(f"{where}: {imported!r} was freed")
+            if imported.buffer.allocator is not None:
+                # aioep memory that came back wrapped: its environment's rule applies.
+                check_owner(imported, self._env._scope, where)
             self._new_work = work
             return imported
         if isinstance(value, np.ndarray):

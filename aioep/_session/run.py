@@ -14,10 +14,9 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.types import DeviceType, MemoryDevice
@@ -25,7 +24,18 @@ from .._interop.foreign import import_feeds
 from .._streams.stream import SyncStream
 from .._tensors.tensor import Tensor
 from .cpu_fallback import from_ort, run_ort, to_ort
-from .values import RunValue, bind_inputs, host_feeds, same_memory
+from .values import (
+    HostArray,
+    MapValue,
+    OrtOutput,
+    RunInput,
+    RunOutput,
+    RunValue,
+    bind_inputs,
+    describe_value,
+    host_feeds,
+    same_memory,
+)
 
 if TYPE_CHECKING:
     from .._environment.environment import Environment
@@ -34,7 +44,7 @@ if TYPE_CHECKING:
     from .plan import PlanStep, SessionPlan
     from .workers import Workers
 
-__all__ = ["Runner"]
+__all__ = ["Runner", "terminated"]
 
 _LOCATIONS = ("device", "host")
 
@@ -67,16 +77,17 @@ class Runner:
 
     async def run(
         self,
-        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        inputs: Mapping[str, RunInput],
         stream: SyncStream | None,
         output_location: str,
         into: Mapping[str, Tensor] | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, RunOutput]:
         """One run of the plan; see `Session.run`. ``into``: graph
         outputs the producing EP may write straight into (pre-bound outputs)."""
         if output_location not in _LOCATIONS:
             raise InvalidArgument(
-                f"run: output_location must be 'device' or 'host', got {output_location!r}"
+                "run: output_location must be 'device' or 'host', got "
+                f"{describe_value(output_location)}"
             )
         streams, user_ready = self._streams_for(stream)
         inputs = await import_feeds(self.env, inputs, stream)
@@ -87,11 +98,49 @@ class Runner:
                 step = plan.direct
                 results = await self.workers.call(run_ort, step.ort_session, feeds)
                 return {name: from_ort(value) for name, value in zip(step.ort_outputs, results)}
+        return await self._execute(inputs, streams, user_ready, stream, output_location, into)
+
+    async def run_ort_form(
+        self,
+        inputs: Mapping[str, RunInput],
+        names: Sequence[str],
+        stream: SyncStream | None,
+        run_options: Any,
+    ) -> list[OrtOutput]:
+        """One run in onnxruntime's form: the outputs ``names`` (graph outputs) on the host,
+        as ``InferenceSession.run`` gives them; ``run_options`` an ``onnxruntime.RunOptions``
+        or None."""
+        streams, user_ready = self._streams_for(stream)
+        inputs = await import_feeds(self.env, inputs, stream)
+        plan = self.plan
+        if plan.direct is not None and stream is None:
+            feeds = host_feeds(plan.input_specs, inputs)
+            if feeds is not None:  # onnxruntime's own answer, as it is
+                return await self.workers.call(
+                    run_ort, plan.direct.ort_session, feeds, list(names), run_options
+                )
+        outputs = await self._execute(
+            inputs, streams, user_ready, stream, "host", None, run_options
+        )
+        return [_on_host(outputs[name]) for name in names]
+
+    async def _execute(
+        self,
+        inputs: Mapping[str, Any],
+        streams: Mapping[str, SyncStream],
+        user_ready: Notification | None,
+        stream: SyncStream | None,
+        output_location: str,
+        into: Mapping[str, Tensor] | None,
+        run_options: Any = None,
+    ) -> dict[str, RunOutput]:
+        """Run every step of the plan on ``inputs`` (imported already)."""
         run = _Run(
             self,
-            bind_inputs(plan.input_specs, inputs, user_ready, stream, self.env._scope),
+            bind_inputs(self.plan.input_specs, inputs, user_ready, stream, self.env._scope),
             streams,
             into,
+            run_options,
         )
         try:
             return await run.execute(stream, output_location)
@@ -109,7 +158,9 @@ class Runner:
         if stream is None:
             return self.plan.streams, None
         if not isinstance(stream, SyncStream):
-            raise InvalidArgument(f"run: stream must be an aioep.SyncStream, got {stream!r}")
+            raise InvalidArgument(
+                f"run: stream must be an aioep.SyncStream, got {describe_value(stream)}"
+            )
         owner = next(
             (ep.name for ep in self.eps if stream.ep_device.factory is ep.ep_devices[0].factory),
             None,
@@ -157,7 +208,7 @@ class _Run:
     """The state of one run: the values made so far, their copies in other memories, and
     the stream each EP's work goes on."""
 
-    __slots__ = ("into", "placed", "runner", "streams", "tails", "values")
+    __slots__ = ("into", "placed", "run_options", "runner", "streams", "tails", "values")
 
     def __init__(
         self,
@@ -165,17 +216,24 @@ class _Run:
         values: dict[str, RunValue],
         streams: Mapping[str, SyncStream],
         into: Mapping[str, Tensor] | None = None,
+        run_options: Any = None,
     ) -> None:
         self.runner = runner
+        self.run_options = run_options
         self.values = values
         self.placed: dict[tuple[str, MemoryDevice], RunValue] = {}
         self.streams = streams
         self.tails: dict[SyncStream, Notification] = {}
         self.into = into or {}
 
-    async def execute(self, user_stream: SyncStream | None, output_location: str) -> dict[str, Any]:
+    async def execute(
+        self, user_stream: SyncStream | None, output_location: str
+    ) -> dict[str, RunOutput]:
         """Run every step, then hand the outputs over (see ``Session.run``)."""
-        for step in self.runner.plan.steps:
+        run_options = self.run_options
+        for index, step in enumerate(self.runner.plan.steps):
+            if run_options is not None and run_options.terminate:
+                raise terminated(f"before step {index} of {len(self.runner.plan.steps)}")
             part = step.partition
             target = step.stream
             if part.ep is not None and target is not None:
@@ -191,7 +249,9 @@ class _Run:
 
     async def _run_cpu(self, step: PlanStep, args: list[Any]) -> None:
         feeds = {n: to_ort(v) for n, v in zip(step.inputs, args)}
-        results = await self.runner.workers.call(run_ort, step.ort_session, feeds)
+        results = await self.runner.workers.call(
+            run_ort, step.ort_session, feeds, None, self.run_options
+        )
         for name, produced in zip(step.ort_outputs, results):
             out = from_ort(produced)
             self.values[name] = (
@@ -352,6 +412,31 @@ class _Run:
         if self.tails:
             # Keep the run's tensors alive until every stream has passed this run's work.
             self.runner.hold_until_passed([user_stream], (self.values, self.placed))
+
+
+def terminated(when: str) -> EpError:
+    """The error of a run stopped by its ``RunOptions.terminate`` flag (onnxruntime's FAIL)."""
+    return EpError(
+        f"run: run_options.terminate is set: the run stopped {when} (onnxruntime: 'Exiting due "
+        "to terminate flag being set to true.')"
+    )
+
+
+def _on_host(value: RunOutput) -> OrtOutput:
+    """A host output as onnxruntime's ``run`` gives it: numpy arrays for tensors."""
+    if isinstance(value, Tensor):
+        array: HostArray = value.numpy()
+        # Memory from an allocator (an EP's host memory) goes back to it, and a string
+        # tensor's view is read-only: the caller gets its own array, as from onnxruntime.
+        if value.buffer.allocator is not None or array.dtype.hasobject:
+            own: HostArray = array.copy()
+            return own
+        return array
+    if isinstance(value, list):
+        # A sequence holds tensors, or maps (which stay as they are).
+        items = [_on_host(v) if isinstance(v, Tensor) else v for v in value]
+        return cast("list[HostArray] | list[MapValue]", items)
+    return value
 
 
 async def _order(value: RunValue, target: SyncStream | None) -> None:

@@ -11,40 +11,56 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import anyio
 import anyio.to_thread
-import numpy.typing as npt
 from anyio.abc import AsyncResource
 
 from .._base.errors import ClosedError, EpError, InvalidArgument
 from .._base.progress import wants_bar
 from .._base.types import MemoryDevice
-from .._base.validate import check_int, check_options
+from .._base.validate import check_int, check_options, describe
 from .._devices.device import EpDevice
 from .._devices.host import HOST_EP_NAME
 from .._environment.environment import set_session_factory
+from .._external_data.info import check_external_data
 from .._graph.graph import GraphView
+from .._graph.ort_compat import check_opsets
 from .._streams.stream import SyncStream
 from .._tensors.tensor import Tensor
 from .cpu_fallback import load_whole
 from .ep import Ep
 from .io_binding import IOBinding, place_bound_outputs
+from .node_arg import NodeArg, node_args, ort_node_args
 from .partition import CPU_EP_NAME
 from .plan import SessionPlan
-from .run import Runner
+from .run import Runner, terminated
+from .values import OrtOutput, RunInput, RunOutput, describe_value
 from .workers import Workers
 
 if TYPE_CHECKING:
+    from onnx import ModelProto
+    from onnxruntime import RunOptions
+
     from .._environment.environment import Environment
 
 __all__ = ["Session", "create_session"]
 
-_OPTION_KEYS = ("ep_options", "intra_op_num_threads", "inter_op_num_threads", "progress")
+_OPTION_KEYS = (
+    "ep_options",
+    "external_data_dir",
+    "intra_op_num_threads",
+    "inter_op_num_threads",
+    "progress",
+)
+_MAPPING_FORM = "run(inputs, stream=None, *, output_location='device')"
+_ORT_FORM = "run(output_names, input_feed, run_options=None, *, stream=None)"
+_ORT_KEYWORDS = frozenset({"output_names", "input_feed", "run_options"})
 
 
 class _State(enum.Enum):
@@ -54,19 +70,24 @@ class _State(enum.Enum):
 
 async def create_session(
     env: Environment,
-    model: str | os.PathLike[str] | Any,
+    model: str | os.PathLike[str] | bytes | ModelProto,
     ep_devices: Sequence[EpDevice] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> Session:
     """Load, partition and compile ``model`` for the EPs of ``ep_devices`` (priority order).
 
-    ``ep_devices`` are grouped by factory, in order of first appearance; each group
-    gets one EP from ``factory.create_ep``. The host device needs no EP: what no EP
-    claims runs on onnxruntime's CPU execution provider. ``options``:
-    ``ep_options`` (EP name -> option mapping for ``create_ep``),
-    ``intra_op_num_threads`` / ``inter_op_num_threads`` for the CPU fallback, and
-    ``progress`` (a tqdm bar over the upload, compile and load stages; None, the default:
-    when standard error is a terminal).
+    ``model`` is a path, the model's ``bytes`` or an ``onnx.ModelProto``. ``ep_devices``
+    are grouped by factory, in order of first appearance; each group gets one EP from
+    ``factory.create_ep``. The host device needs no EP: what no EP claims runs on
+    onnxruntime's CPU execution provider. ``options``: ``ep_options`` (EP name -> option
+    mapping for ``create_ep``), ``intra_op_num_threads`` / ``inter_op_num_threads`` for the
+    CPU fallback, ``external_data_dir`` (the folder of the external data of a model given as
+    bytes or a proto, which has none of its own) and ``progress`` (a tqdm bar over the upload,
+    compile and load stages; None, the default: when standard error is a terminal).
+
+    The model is checked before anything runs: its ``ai.onnx`` opset (one the installed
+    onnxruntime knows), its initializers (element types, dimensions) and every external
+    data reference (ORT's rules: inside the model's folder, in range, the file exists).
     """
     opts, ep_options = _checked_options(options)
     groups = _device_groups(env, ep_devices)
@@ -77,26 +98,47 @@ async def create_session(
         pool = ThreadPoolExecutor(1, thread_name_prefix="aioep-ort-load")
         preload = pool.submit(load_whole, model, opts)
         pool.shutdown(wait=False)  # the thread ends after the load; nothing waits for it here
-    graph = await anyio.to_thread.run_sync(GraphView.from_model, model)
+    graph = await anyio.to_thread.run_sync(_checked_view, model, opts.get("external_data_dir"))
     devices = [d for devs in groups for d in devs]
+    # The host device too: the environment then closes a session that only the CPU runs.
+    tracked = (*devices, *env.ep_devices(ep_name=HOST_EP_NAME))
     eps: list[Ep] = []
     try:
         for devs in groups:
             eps.append(_create_ep(env, devs, ep_options))
         if len({ep.name for ep in eps}) != len(eps):
             raise InvalidArgument(f"create_session: two EPs share a name: {[e.name for e in eps]}")
-        session = Session._create(env, graph, eps)
-        env._track_session(session, devices, open=True)
+        session = Session._create(env, graph, eps, tracked)
+        env._track_session(session, tracked, open=True)
         try:
             await session._prepare(opts, preload)
         except BaseException:
-            env._track_session(session, devices, open=False)
+            env._track_session(session, tracked, open=False)
             raise
     except BaseException:
         for ep in eps:
             ep.release()
         raise
     return session
+
+
+def _checked_view(model: Any, external_data_dir: str | os.PathLike[str] | None) -> GraphView:
+    """The graph view of ``model``, checked as ``create_session`` promises (a worker thread
+    runs this: it parses the model and stats files)."""
+    graph = GraphView.from_model(model, external_data_dir=external_data_dir)
+    check_opsets(graph.model, what="create_session: the model")
+    external = [i.proto for i in graph.initializers.values() if i.external]
+    if external:
+        if graph.external_data_dir is None:
+            location = next((e.value for e in external[0].external_data if e.key == "location"), "")
+            raise InvalidArgument(
+                f"create_session: initializer {external[0].name!r} keeps its data in the "
+                f"external file {location!r}, but the model was given as "
+                f"{type(model).__name__}, which has no folder to find it in; pass the model's "
+                "path, or options={'external_data_dir': <the folder>}"
+            )
+        check_external_data(external, os.fspath(graph.external_data_dir))
+    return graph
 
 
 def _checked_options(
@@ -112,6 +154,11 @@ def _checked_options(
     for key in ("intra_op_num_threads", "inter_op_num_threads"):
         if key in opts:
             opts[key] = check_int("create_session", key, opts[key], maximum=1 << 16)
+    folder = opts.get("external_data_dir")
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise InvalidArgument(
+            f"create_session: external_data_dir must be a folder path, got {describe(folder)}"
+        )
     opts["progress"] = wants_bar(opts.get("progress"), "create_session")
     ep_options = opts.get("ep_options") or {}
     if not isinstance(ep_options, Mapping):
@@ -164,8 +211,9 @@ class Session(AsyncResource):
     """A model partitioned across execution providers; create it with
     ``await env.create_session(model, ep_devices=[...])``.
 
-    ``await session.run(inputs)`` returns a dict of output name -> [`Tensor`][aioep.Tensor].
-    Runs from many tasks may overlap: each run keeps its own state. ``async with``
+    ``await session.run(inputs)`` returns a dict of output name -> [`Tensor`][aioep.Tensor];
+    onnxruntime's form, ``await session.run(output_names, input_feed)``, a list of numpy
+    arrays. Runs from many tasks may overlap: each run keeps its own state. ``async with``
     (or [`aclose`][aioep.Session.aclose]) closes the session's streams and releases its EPs.
     """
 
@@ -175,9 +223,11 @@ class Session(AsyncResource):
         "_env",
         "_eps",
         "_idle",
+        "_node_args",
         "_plan",
         "_runner",
         "_state",
+        "_tracked",
         "_workers",
         "graph",
     )
@@ -190,6 +240,8 @@ class Session(AsyncResource):
     _state: _State
     _active: int
     _idle: anyio.Event | None
+    _node_args: tuple[tuple[NodeArg, ...], tuple[NodeArg, ...]] | None
+    _tracked: tuple[EpDevice, ...]
     graph: GraphView
     """The model's graph view."""
 
@@ -197,7 +249,9 @@ class Session(AsyncResource):
         raise TypeError("use 'await env.create_session(model, ep_devices=[...])'")
 
     @classmethod
-    def _create(cls, env: Environment, graph: GraphView, eps: list[Ep]) -> Session:
+    def _create(
+        cls, env: Environment, graph: GraphView, eps: list[Ep], tracked: tuple[EpDevice, ...]
+    ) -> Session:
         self = object.__new__(cls)
         self._env = env
         self.graph = graph
@@ -208,11 +262,21 @@ class Session(AsyncResource):
         self._state = _State.OPEN
         self._active = 0
         self._idle = None
+        self._node_args = None
+        self._tracked = tracked  # the devices the environment counts this session against
         return self
 
     async def _prepare(self, opts: Mapping[str, Any], preload: Future[Any] | None) -> None:
         try:
             await self._plan.build(self._env, self._eps, opts, preload, self._workers)
+            direct = self._plan.direct
+            if direct is not None:  # onnxruntime runs the whole model: its own NodeArgs
+                self._node_args = ort_node_args(direct.ort_session)
+            else:  # from shape inference, which can be long: not on the event loop
+                graph = self.graph
+                self._node_args = await anyio.to_thread.run_sync(
+                    lambda: (node_args(graph, graph.inputs), node_args(graph, graph.outputs))
+                )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
@@ -244,19 +308,56 @@ class Session(AsyncResource):
         """True after [`aclose`][aioep.Session.aclose]."""
         return self._state is _State.CLOSED
 
+    def get_inputs(self) -> list[NodeArg]:
+        """The model inputs (initializers excluded) as onnxruntime's ``get_inputs()`` gives
+        them: ``name``, ``type`` (``'tensor(float)'``) and ``shape`` (a symbolic dimension as
+        its name, a dimension with neither size nor name as None)."""
+        return list(self._io_node_args()[0])
+
+    def get_outputs(self) -> list[NodeArg]:
+        """The model outputs as onnxruntime's ``get_outputs()`` gives them; see
+        `get_inputs`."""
+        return list(self._io_node_args()[1])
+
+    def _io_node_args(self) -> tuple[tuple[NodeArg, ...], tuple[NodeArg, ...]]:
+        if self._node_args is None:  # only while create_session prepares the session
+            graph = self.graph
+            self._node_args = (node_args(graph, graph.inputs), node_args(graph, graph.outputs))
+        return self._node_args
+
+    @overload
     async def run(
         self,
-        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        inputs: Mapping[str, RunInput],
         stream: SyncStream | None = None,
         *,
-        output_location: str = "device",
-    ) -> dict[str, Any]:
-        """Run the model and return output name -> tensor.
+        output_location: Literal["device", "host"] = "device",
+    ) -> dict[str, RunOutput]: ...
+
+    @overload
+    async def run(
+        self,
+        output_names: list[str] | tuple[str, ...] | None,
+        input_feed: Mapping[str, RunInput],
+        run_options: RunOptions | None = None,
+        *,
+        stream: SyncStream | None = None,
+    ) -> list[OrtOutput]: ...
+
+    async def run(self, *args: Any, **kwargs: Any) -> dict[str, RunOutput] | list[OrtOutput]:
+        """Run the model: ``run(inputs, stream=None, *, output_location="device")`` returns
+        output name -> tensor; onnxruntime's ``run(output_names, input_feed, run_options=None,
+        *, stream=None)`` returns a list of numpy arrays.
+
+        The first argument picks the form: a mapping (of input names to values) is aioep's,
+        None, a list or a tuple (of output names) is onnxruntime's; anything else, a ``str``
+        included, is an `InvalidArgument`. The keywords ``inputs`` /
+        ``output_location`` and ``output_names`` / ``input_feed`` / ``run_options`` name the
+        forms' parameters too.
 
         ``inputs`` maps every model input to a host array or a tensor on any device (or
         another library's tensor, taken zero-copy through DLPack or the CUDA Array
-        Interface).
-        Outputs stay where the producing EP put them; ``output_location="host"``
+        Interface). Outputs stay where the producing EP put them; ``output_location="host"``
         copies them to host memory.
 
         Values that only the host holds pass through to and from onnxruntime's CPU
@@ -269,19 +370,66 @@ class Session(AsyncResource):
         the outputs are valid for work enqueued later on ``stream`` (host outputs
         are always complete). Cancelling the call abandons the wait, never
         work already enqueued.
+
+        onnxruntime's form returns the outputs named in ``output_names`` (None or an empty
+        list: all of them, in the model's order; a name may repeat), copied to the host as
+        ``InferenceSession.run`` gives them: numpy arrays, sequences as lists of arrays, maps
+        as dicts, None for an absent optional. It is complete when the call returns, also
+        with ``stream``. ``run_options`` is None or an ``onnxruntime.RunOptions``: its
+        ``terminate`` flag stops the run before its next step (or inside a step onnxruntime
+        runs), and the options go to every call into onnxruntime's CPU execution provider
+        (log levels, ``logid``, run config entries, active adapters apply there, not to the
+        steps of other EPs); anything else is an `InvalidArgument`.
+
+        Raises:
+            InvalidArgument: bad arguments (an unknown input or output name, a value of the
+                wrong dtype or shape, arguments that fit neither form).
+            EpError: ``run_options.terminate`` is set.
+            ClosedError: the session or its environment is closed.
         """
-        return await self._run(inputs, stream, output_location, None)
+        if len(args) == 1 and not kwargs and type(args[0]) is dict:  # run(inputs): the most common
+            return await self._run(args[0], None, "device", None)
+        if args:
+            first = args[0]
+            if type(first) is dict or isinstance(first, Mapping):
+                ort_form = False
+            elif first is None or isinstance(first, (list, tuple)):
+                if (
+                    len(args) == 1
+                    and "input_feed" not in kwargs
+                    and not all(isinstance(name, str) for name in first or ())
+                ):  # run([array]): inputs in a list, not output names
+                    raise InvalidArgument(_bad_first_argument(first))
+                ort_form = True
+            else:
+                raise InvalidArgument(_bad_first_argument(first))
+        else:
+            ort_form = not _ORT_KEYWORDS.isdisjoint(kwargs)
+        if not ort_form:
+            try:
+                inputs, stream, output_location = _mapping_form(*args, **kwargs)
+            except TypeError as exc:
+                raise InvalidArgument(f"{exc} (the forms: {_MAPPING_FORM}, {_ORT_FORM})") from None
+            return await self._run(inputs, stream, output_location, None)
+        try:
+            output_names, input_feed, run_options, stream = _ort_form(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidArgument(
+                f"{exc} (onnxruntime's form, {_ORT_FORM}, since the first argument is None, a "
+                f"list or a tuple; the other form: {_MAPPING_FORM})"
+            ) from None
+        return await self._run_ort(output_names, input_feed, run_options, stream)
 
     async def _run(
         self,
-        inputs: Mapping[str, Tensor | npt.ArrayLike],
+        inputs: Mapping[str, RunInput],
         stream: SyncStream | None,
         output_location: str,
         into: Mapping[str, Tensor] | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, RunOutput]:
         """A run counted as in flight (``aclose`` waits for it)."""
         if self._state is not _State.OPEN:
-            raise ClosedError(f"{self!r} is closed")
+            raise ClosedError(f"{self!r} is closed (by aclose(), or when its environment closed)")
         self._active += 1
         try:
             return await self._runner.run(inputs, stream, output_location, into)
@@ -289,6 +437,46 @@ class Session(AsyncResource):
             self._active -= 1
             if self._active == 0 and self._idle is not None:
                 self._idle.set()
+
+    async def _run_ort(
+        self, output_names: Any, input_feed: Any, run_options: Any, stream: Any
+    ) -> list[OrtOutput]:
+        """onnxruntime's form of `run`, counted as in flight like `_run`."""
+        names = self._selected_outputs(output_names)
+        if not isinstance(input_feed, Mapping):
+            pairs = isinstance(input_feed, (list, tuple))
+            raise InvalidArgument(
+                f"run: input_feed must map input names to values, got {describe_value(input_feed)}"
+                + ("; for (name, value) pairs, pass dict(pairs)" if pairs else "")
+            )
+        _check_run_options(run_options)
+        if self._state is not _State.OPEN:
+            raise ClosedError(f"{self!r} is closed (by aclose(), or when its environment closed)")
+        self._active += 1
+        try:
+            return await self._runner.run_ort_form(input_feed, names, stream, run_options)
+        finally:
+            self._active -= 1
+            if self._active == 0 and self._idle is not None:
+                self._idle.set()
+
+    def _selected_outputs(self, output_names: Any) -> tuple[str, ...]:
+        """The outputs onnxruntime's form returns (None or empty: all, as onnxruntime)."""
+        outputs = self.graph.output_names
+        if not output_names:
+            return outputs
+        for i, name in enumerate(output_names):
+            if not isinstance(name, str):
+                raise InvalidArgument(
+                    f"run: output_names must hold output names (str); output_names[{i}] is "
+                    f"{describe_value(name)}"
+                )
+        unknown = [name for name in output_names if name not in outputs]
+        if unknown:
+            raise InvalidArgument(
+                f"run: unknown output name(s) {unknown}; the model's outputs are {list(outputs)}"
+            )
+        return tuple(output_names)
 
     def io_binding(self) -> IOBinding:
         """A new [`IOBinding`][aioep.IOBinding] for this session's inputs and outputs."""
@@ -309,7 +497,7 @@ class Session(AsyncResource):
 
     async def run_with_binding(
         self, binding: IOBinding, stream: SyncStream | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, RunOutput]:
         """Run the model on ``binding``'s inputs and put each bound output where it is bound.
 
         An output bound to a tensor is written into it (by the EP itself where it can, see
@@ -358,9 +546,7 @@ class Session(AsyncResource):
             for ep in self._eps:
                 ep.release()
             self._workers.shutdown()
-            self._env._track_session(
-                self, [d for ep in self._eps for d in ep.ep_devices], open=False
-            )
+            self._env._track_session(self, self._tracked, open=False)
 
     async def __aenter__(self) -> Session:
         if self._state is not _State.OPEN:
@@ -370,6 +556,52 @@ class Session(AsyncResource):
     def __repr__(self) -> str:
         eps = sorted(set(self.assignment)) or [CPU_EP_NAME]
         return f"<Session {self._state.value} nodes={len(self.graph.nodes)} eps={eps}>"
+
+
+def _mapping_form(
+    inputs: Any, stream: Any = None, *, output_location: Any = "device"
+) -> tuple[Any, Any, Any]:
+    return inputs, stream, output_location
+
+
+def _ort_form(
+    output_names: Any, input_feed: Any, run_options: Any = None, *, stream: Any = None
+) -> tuple[Any, Any, Any, Any]:
+    return output_names, input_feed, run_options, stream
+
+
+# Python binds run's arguments to one of these; its TypeError then names Session.run.
+_mapping_form.__qualname__ = _ort_form.__qualname__ = "Session.run"
+
+
+def _bad_first_argument(first: object) -> str:
+    hint = ""
+    if isinstance(first, str):
+        hint = f"; for the one output {first!r}, pass a list: run([{first!r}], input_feed)"
+    elif isinstance(first, (list, tuple)):
+        hint = "; inputs go in a mapping of input names to values"
+    return (
+        f"run: the first argument must be a mapping of input names to values ({_MAPPING_FORM}), "
+        f"or None or a list of output names (onnxruntime's {_ORT_FORM}); "
+        f"got {describe_value(first)}" + hint
+    )
+
+
+def _check_run_options(run_options: object) -> None:
+    """Accept None or an ``onnxruntime.RunOptions`` (whose ``terminate`` is not set)."""
+    if run_options is None:
+        return
+    ort = sys.modules.get("onnxruntime")  # a RunOptions was made with it: it is imported
+    if ort is None or not isinstance(run_options, ort.RunOptions):
+        hint = ""
+        if isinstance(run_options, SyncStream):
+            hint = "; stream is a keyword in this form: run(output_names, input_feed, stream=...)"
+        raise InvalidArgument(
+            "run: run_options must be None or an onnxruntime.RunOptions, got "
+            f"{describe_value(run_options)}{hint}"
+        )
+    if run_options.terminate:
+        raise terminated("before it started")
 
 
 set_session_factory(create_session)

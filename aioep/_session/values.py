@@ -3,15 +3,17 @@ checked against the graph and bound as such values."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
+from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import DeviceType, MemoryDevice
+from .._base.validate import describe
 from .._graph.types import ValueInfo
 from .._tensors.ownership import Scope, check_owner
 from .._tensors.tensor import Tensor
@@ -22,15 +24,51 @@ if TYPE_CHECKING:
     from .._streams.stream import SyncStream
 
 __all__ = [
+    "HostArray",
     "InputSpec",
+    "MapValue",
+    "OrtOutput",
+    "RunInput",
+    "RunOutput",
     "RunValue",
     "bind_inputs",
     "check_type",
     "contiguous",
+    "describe_value",
     "host_feeds",
     "input_specs",
     "same_memory",
 ]
+
+RunInput = (
+    Tensor
+    | npt.ArrayLike
+    | SupportsDLPack
+    | SupportsCudaArrayInterface
+    | Sequence[Tensor | npt.ArrayLike]
+    | None
+)
+"""A value for a model input: a tensor, an array(-like), another library's tensor, a list of
+them for a sequence input, or None for an absent optional input."""
+
+if TYPE_CHECKING:
+    # Any element type, said without Any (numpy's scalar types are generic in their Python
+    # item type; not subscriptable at run time).
+    HostArray: TypeAlias = np.ndarray[tuple[int, ...], np.dtype[np.generic[object]]]
+else:
+    HostArray = np.ndarray
+"""A numpy array of any element type (an output of onnxruntime's ``run`` form)."""
+
+MapValue = dict[int | str, int | float | str]
+"""A map output, as onnxruntime gives it (``ZipMap``'s class -> probability, for one)."""
+
+RunOutput = Tensor | list[Tensor] | list[MapValue] | MapValue | None
+"""A model output from ``Session.run(inputs)``: a tensor, a sequence (a list of host tensors,
+or of maps), a map, or None for an absent optional."""
+
+OrtOutput = HostArray | list[HostArray] | list[MapValue] | MapValue | None
+"""A model output from ``Session.run(output_names, input_feed)``: as ``RunOutput``, with numpy
+arrays for tensors (as onnxruntime's ``InferenceSession.run``)."""
 
 InputSpec = tuple[str, np.dtype[Any] | None, tuple[Any, ...] | None, ValueInfo]
 """A model input as a run checks it: name, dtype, shape and the full `ValueInfo`."""
@@ -48,6 +86,19 @@ class RunValue:
     ready: Notification | None = None  # None: complete
     stream: SyncStream | None = None
     host: Any = None
+
+
+def describe_value(value: object) -> str:
+    """A short description of a run's argument for an error message: an array as its dtype and
+    shape, a mapping by its keys, a list by its length (never an array's data)."""
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype}{list(value.shape)}"
+    if isinstance(value, Mapping):
+        keys = [k if isinstance(k, str) else type(k).__name__ for k in list(value)[:8]]
+        return f"{type(value).__name__} with keys {keys}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)} item(s)"
+    return describe(value)
 
 
 def input_specs(graph: GraphView) -> tuple[InputSpec, ...]:
@@ -69,7 +120,7 @@ def contiguous(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
 
 
 def host_feeds(
-    specs: tuple[InputSpec, ...], inputs: Mapping[str, Tensor | npt.ArrayLike]
+    specs: tuple[InputSpec, ...], inputs: Mapping[str, RunInput]
 ) -> dict[str, npt.NDArray[Any]] | None:
     """``inputs`` as host arrays when every one is a host tensor of the expected dtype and
     shape (onnxruntime takes them as they are), else None: `bind_inputs` then binds
@@ -100,7 +151,7 @@ def host_feeds(
 
 def bind_inputs(
     specs: tuple[InputSpec, ...],
-    inputs: Mapping[str, Tensor | npt.ArrayLike],
+    inputs: Mapping[str, RunInput],
     ready: Notification | None,
     stream: SyncStream | None,
     scope: Scope | None = None,

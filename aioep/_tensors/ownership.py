@@ -11,7 +11,10 @@ the library registration that made it. A buffer's owner is its allocator's origi
 - device memory with no origin is *producer-owned* (`FOREIGN`): a buffer
   made by hand over memory that another framework owns (DLPack,
   ``__cuda_array_interface__``, a user's own allocator). aioep never frees it and
-  any environment whose backends can route that memory device may use it;
+  any environment whose backends can route that memory device may use it. aioep's
+  own memory imported back through DLPack or the CUDA Array Interface is not: the
+  import resolves to the buffer that made it (``exports.handed_out``), so the rule
+  below applies to it;
 - device memory of another environment is refused with `InvalidArgument`
   naming the owner, or with `ClosedError` once that environment closed.
 """

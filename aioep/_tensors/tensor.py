@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +13,7 @@ import numpy.typing as npt
 from .._base.errors import InUseError, InvalidArgument
 from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
 from .._base.validate import MAX_DIM, check_dtype, check_int, describe
+from .exports import ExportedMemory, free_deferred, note_handed_out, request_free
 
 if TYPE_CHECKING:
     from .._memory.allocator import Allocator
@@ -33,6 +34,7 @@ tensors wrapped from numpy arrays."""
 _DL_CPU, _DL_CUDA, _DL_EXT_DEV = 1, 2, 12
 NVIDIA_VENDOR_ID = 0x10DE
 _MAX_PTR = (1 << 64) - 1
+_PIN_LOCK = threading.Lock()  # guards every buffer's pin count (held for an increment)
 
 
 class Buffer:
@@ -45,8 +47,8 @@ class Buffer:
 
     __slots__ = (
         "__weakref__",
-        "_finalizer",
         "_last_use",
+        "_on_release",
         "_owner",
         "_pin_lock",
         "_pins",
@@ -100,9 +102,9 @@ class Buffer:
         self._owner = owner
         self._last_use: Any = None  # the Notification of the last copy that used it
         self._pins = 0
+        self._pin_lock = _PIN_LOCK
+        self._on_release = release  # called once, by _release
         self._released = False
-        self._pin_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, release) if release is not None else None
 
     @property
     def device(self) -> MemoryDevice:
@@ -122,25 +124,58 @@ class Buffer:
     @property
     def freed(self) -> bool:
         """True once the memory went back to its allocator (or [`free`][aioep.Buffer.free] was
-        called)."""
-        return self._released or (self._finalizer is not None and not self._finalizer.alive)
+        called; also while a DLPack export defers the free)."""
+        return self._released or free_deferred(self)
 
     def free(self) -> None:
         """Give the memory back to its allocator now; idempotent.
 
+        While a DLPack export of the buffer is alive (a consumer's array, an unconsumed
+        capsule), the buffer is marked freed at once and its memory goes back when the
+        last export is released, never to a new allocation while a consumer can use it.
+
         Raises:
             InUseError: a copy or load still uses this buffer.
         """
-        with self._pin_lock:
-            if self._pins:
-                raise InUseError(
-                    f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
-                    f"used by {self._pins} operation(s) in flight; await them before freeing"
-                )
+        if self._pins:
+            raise InUseError(
+                f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
+                f"used by {self._pins} operation(s) in flight; await them before freeing"
+            )
+        if request_free(self):
+            return  # a DLPack export holds the memory: its last release frees it
+        self._release()
+
+    def _release(self) -> None:
+        """Give the memory back now, exactly once however often and from whichever thread
+        it is called: the one release path. `free` ends here, and so does the
+        buffer's last reference going (``__del__``). Subclasses that hand memory back
+        another way override it (the arena's buffers)."""
+        lock = self._pin_lock
+        lock.acquire()
+        try:
+            if self._released:
+                return
             self._released = True
-            if self._finalizer is not None:
-                self._finalizer()
+            release = self._on_release
+            self._on_release = None
+        finally:
+            lock.release()
         self._owner = None
+        if release is not None:
+            release()
+
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # The last reference went: release once. Not at interpreter shutdown, when the
+        # allocator and the backend behind it may already be torn down (the process's
+        # memory goes with it). An exception here is reported as unraisable, as
+        # weakref.finalize reported it.
+        try:
+            released = self._released
+        except AttributeError:
+            return  # __init__ failed before the buffer held anything
+        if not released and not _finalizing():
+            self._release()
 
     @property
     def pending_work(self) -> Any:
@@ -204,24 +239,22 @@ class Tensor:
         *,
         byte_offset: int = 0,
     ) -> None:
-        self.shape = _normalize_shape(shape)
-        self.dtype = check_dtype("Tensor", dtype)
-        if self.dtype.hasobject:
-            raise InvalidArgument(f"Tensor: dtype {self.dtype} holds Python objects")
+        dims, dt, size, nbytes = tensor_layout("Tensor", shape, dtype)
         if not isinstance(buffer, Buffer):
             raise InvalidArgument(f"Tensor: buffer must be an aioep.Buffer, got {buffer!r}")
-        size = 1
-        for d in self.shape:
-            size *= d
-        self._size = size
-        self._nbytes = size * self.dtype.itemsize
-        self.buffer = buffer
-        self.byte_offset = check_int("Tensor", "byte_offset", byte_offset, maximum=MAX_DIM)
-        if self.byte_offset + self.nbytes > buffer.nbytes:
+        if type(byte_offset) is not int or not 0 <= byte_offset <= MAX_DIM:
+            byte_offset = check_int("Tensor", "byte_offset", byte_offset, maximum=MAX_DIM)
+        if byte_offset + nbytes > buffer.nbytes:
             raise InvalidArgument(
-                f"Tensor of shape {self.shape} and dtype {self.dtype} needs {self.nbytes} bytes "
-                f"at offset {self.byte_offset}, but the buffer holds {buffer.nbytes}"
+                f"Tensor of shape {dims} and dtype {dt} needs {nbytes} bytes "
+                f"at offset {byte_offset}, but the buffer holds {buffer.nbytes}"
             )
+        self.shape = dims
+        self.dtype = dt
+        self._size = size
+        self._nbytes = nbytes
+        self.buffer = buffer
+        self.byte_offset = byte_offset
 
     @classmethod
     def from_numpy(cls, array: npt.NDArray[Any]) -> Tensor:
@@ -388,7 +421,15 @@ class Tensor:
             if work is not None and stream != -1:
                 # Host memory has no stream to order: the data must be ready now.
                 work.wait()
-            arr = self.numpy()
+            if self.dtype.hasobject:
+                raise BufferError(f"{self!r} holds Python objects, which DLPack cannot export")
+            # numpy builds the capsule (its destructor and deleter are C); the array's base
+            # holds the buffer until the consumer lets go, so free() cannot hand the memory
+            # out meanwhile.
+            buffer = self.buffer
+            arr = ExportedMemory(
+                self.data_ptr, self.shape, self.dtype, buffer.readonly, self, buffer
+            ).array()
             if max_version is None:
                 return arr.__dlpack__(stream=stream)
             return arr.__dlpack__(stream=stream, max_version=max_version, **kwargs)
@@ -397,6 +438,19 @@ class Tensor:
             raise BufferError(
                 f"tensor in {self.memory_info.name!r} ({self.device}) has no DLPack export; "
                 "copy it to host memory first"
+            )
+        # The array API's dl_device and copy: a device tensor is exported where it is, never
+        # copied (a consumer asking for either gets BufferError, as the standard says).
+        if kwargs.get("copy"):
+            raise BufferError(
+                f"{self!r}: DLPack export with copy=True is not supported; copy it with "
+                "aioep.copy_tensors"
+            )
+        dl_device = kwargs.get("dl_device")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(
+                f"{self!r} is on DLPack device {self.__dlpack_device__()}, not {dl_device}; "
+                "copy it there with aioep.copy_tensors"
             )
         return exporter(self, stream)
 
@@ -421,6 +475,9 @@ class Tensor:
         if work is not None and work.stream is not None and not work.stream.closed:
             stream = work.stream
         handle = None if stream is None or getattr(stream, "closed", True) else stream.handle
+        # A consumer may hand this memory back to aioep wrapped in its own object: an
+        # import then finds this buffer, and its environment's ownership rule applies.
+        note_handed_out(self.buffer, (_DL_CUDA, dev.device_id))
         return {
             "version": 3,
             "shape": self.shape,
@@ -465,6 +522,73 @@ def register_dlpack_exporter(vendor_id: int, exporter: Callable[[Tensor, Any], A
     return bool(_dlpack_exporters.setdefault(vendor_id, exporter) == exporter)
 
 
+def tensor_layout(
+    where: str, shape: Sequence[int] | int, dtype: npt.DTypeLike
+) -> tuple[tuple[int, ...], np.dtype[Any], int, int]:
+    """``(dims, dtype, elements, nbytes)`` of a tensor, ``shape`` and ``dtype`` each checked
+    once (a plain int or a tuple of ints and a dtype seen before take the short path).
+
+    Raises:
+        InvalidArgument: naming ``where``: the shape is not an int or a sequence of ints
+            >= 0, is too large, or the dtype is not a numpy dtype or holds objects.
+    """
+    dims: tuple[int, ...] | None = None
+    if type(shape) is int:
+        if 0 <= shape <= MAX_DIM:
+            dims, size = (shape,), shape
+    elif type(shape) is tuple and len(shape) <= _MAX_NDIM:
+        size = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+            size *= d
+        else:
+            if size <= MAX_DIM:
+                dims = shape
+    if dims is None:
+        dims = _normalize_shape(shape)
+        size = 1
+        for d in dims:
+            size *= d
+    try:
+        dt = _DTYPES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like (a field list)
+        dt = check_dtype(where, dtype)
+        if dt.hasobject:
+            raise InvalidArgument(f"{where}: dtype {dt} holds Python objects") from None
+        if (type(dtype) in (str, type) or isinstance(dtype, np.dtype)) and len(_DTYPES) < 256:
+            _DTYPES[dtype] = dt
+    return dims, dt, size, size * dt.itemsize
+
+
+_DTYPES: dict[Any, np.dtype[Any]] = {}  # dtype-likes (names, types, dtypes) already checked
+
+
+def tensor_over(
+    buffer: Buffer, dims: tuple[int, ...], dtype: np.dtype[Any], size: int, nbytes: int
+) -> Tensor:
+    """A tensor over the start of ``buffer`` for a layout that `tensor_layout` gave
+    (``env.empty``: shape and dtype are checked once, not again here).
+
+    Raises:
+        InvalidArgument: ``buffer`` is not an aioep.Buffer of at least ``nbytes`` (an
+            allocator that broke its contract).
+    """
+    if not isinstance(buffer, Buffer) or buffer.nbytes < nbytes:
+        raise InvalidArgument(
+            f"Tensor: an allocator gave {buffer!r} for {nbytes} bytes (shape {dims}, dtype "
+            f"{dtype}); it must give an aioep.Buffer of at least that size"
+        )
+    tensor = Tensor.__new__(Tensor)
+    tensor.shape = dims
+    tensor.dtype = dtype
+    tensor._size = size
+    tensor._nbytes = nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
+
+
 def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         dims: tuple[Any, ...] = (shape,)
@@ -497,7 +621,7 @@ def _normalize_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
 _MAX_NDIM = 64  # numpy's limit
 
 
-def as_tensor(value: Tensor | npt.NDArray[Any], *, role: str, writable: bool = False) -> Tensor:
+def as_tensor(value: object, *, role: str, writable: bool = False) -> Tensor:
     """Accept a Tensor or a numpy array (wrapped zero-copy) for an argument named ``role``."""
     if isinstance(value, Tensor):
         return value

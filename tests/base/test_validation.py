@@ -534,8 +534,8 @@ async def _bind(c: Ctx, name: str, value: Any) -> Any:
 X = np.ones((4, 4), np.float32)
 
 ASYNC_CASES: dict[str, tuple[Case, type[EpError], str]] = {
-    "run inputs str": (lambda c: _run(c, "x"), InvalidArgument, "inputs must map"),
-    "run inputs list": (lambda c: _run(c, [X]), InvalidArgument, "inputs must map"),
+    "run inputs str": (lambda c: _run(c, "x"), InvalidArgument, "must be a mapping of input"),
+    "run inputs list": (lambda c: _run(c, [X]), InvalidArgument, "inputs go in a mapping"),
     "run unknown input": (lambda c: _run(c, {"x": X, "z": X}), InvalidArgument, "unknown input"),
     "run missing input": (lambda c: _run(c, {}), InvalidArgument, "missing input 'x'"),
     "run wrong dtype": (

@@ -664,3 +664,124 @@ async def test_cancellation_inside_builtin_loader_frees_everything(tmp_path: Pat
         await _check_all_freed(env, dev, before, None)
         assert sim_mem.stats()["InUse"] == 0
         assert env._open_streams() == []
+
+
+# -- sessions: the same rules, before anything runs, whichever EP reads the data ---------------
+def _add_w_model(folder: Path, location: str = "w.bin") -> tuple[Path, np.ndarray[Any, Any]]:
+    """y = x + w with w (float32[4]) kept in ``folder``/w.bin and named by ``location``; the
+    model is saved as ``folder``/m.onnx. Returns its path and w."""
+    folder.mkdir(parents=True, exist_ok=True)
+    w = np.arange(4, dtype=np.float32) + 0.5
+    w.tofile(folder / "w.bin")
+    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y], [tensor])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = folder / "m.onnx"
+    onnx.save(model, path)
+    return path, w
+
+
+async def _session_result(env: aioep.Environment, model: Any, sim: bool, **options: Any) -> Any:
+    devices = [sim_device(env)] if sim else []
+    async with await env.create_session(model, devices, options or None) as sess:
+        assert (sess.assignment == ("SimExecutionProvider",)) is sim
+        (y,) = await sess.run(None, {"x": np.ones(4, np.float32)})
+        return y
+
+
+@pytest.mark.parametrize("sim", [False, True])
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "link"])
+async def test_a_session_refuses_external_data_outside_the_model_folder(
+    tmp_path: Path, sim: bool, where: str
+) -> None:
+    outside = tmp_path / "outside"
+    _add_w_model(outside)
+    location = {
+        "dotdot": "../outside/w.bin",
+        "absolute": str(outside / "w.bin"),
+        "link": "link.bin",
+    }[where]
+    path, _ = _add_w_model(tmp_path / "m", location)
+    (tmp_path / "m" / "link.bin").symlink_to(outside / "w.bin")
+    # Before: onnx's checker raised its own ValidationError on the sim, onnxruntime an EpError
+    # on the CPU.
+    async with sim_env() as env:
+        with pytest.raises(aioep.InvalidArgument, match="initializer: w") as caught:
+            await env.create_session(path, [sim_device(env)] if sim else [])
+    assert location in str(caught.value)
+
+
+@pytest.mark.parametrize("sim", [False, True])
+async def test_a_session_reads_external_data_through_a_link_inside_its_folder(
+    tmp_path: Path, sim: bool
+) -> None:
+    path, w = _add_w_model(tmp_path / "m", "link.bin")
+    (tmp_path / "m" / "link.bin").symlink_to(tmp_path / "m" / "w.bin")
+    async with sim_env() as env:
+        np.testing.assert_array_equal(await _session_result(env, path, sim), w + 1)
+
+
+@pytest.mark.parametrize("sim", [False, True])
+async def test_a_session_checks_every_external_reference_before_it_runs(
+    tmp_path: Path, sim: bool
+) -> None:
+    path, _ = _add_w_model(tmp_path)
+    async with sim_env() as env:
+        devices = [sim_device(env)] if sim else []
+        edit_external(path, "w", length="12")
+        with pytest.raises(aioep.InvalidArgument, match="size mismatch: length 12"):
+            await env.create_session(path, devices)
+        edit_external(path, "w", length=None, offset="8")
+        with pytest.raises(aioep.InvalidArgument, match="holds 8 bytes from offset 8"):
+            await env.create_session(path, devices)
+        edit_external(path, "w", offset=None, location="gone.bin")
+        with pytest.raises(aioep.NoSuchFile, match=r"'gone\.bin'"):
+            await env.create_session(path, devices)
+
+
+@pytest.mark.parametrize("sim", [False, True])
+async def test_a_model_as_bytes_or_proto_finds_external_data_in_the_folder_given(
+    tmp_path: Path, sim: bool
+) -> None:
+    path, w = _add_w_model(tmp_path / "m")
+    proto = onnx.load(str(path), load_external_data=False)
+    async with sim_env() as env:
+        devices = [sim_device(env)] if sim else []
+        for model in (proto, proto.SerializeToString()):
+            with pytest.raises(aioep.InvalidArgument, match="external_data_dir") as caught:
+                await env.create_session(model, devices)
+            assert "'w.bin'" in str(caught.value)
+            for folder in (tmp_path / "m", str(tmp_path / "m")):
+                got = await _session_result(env, model, sim, external_data_dir=folder)
+                np.testing.assert_array_equal(got, w + 1)
+        # The folder's own rules hold: a location that leaves it is refused.
+        edit_external(path, "w", location="../m/../w.bin")
+        escaping = onnx.load(str(path), load_external_data=False)
+        with pytest.raises(aioep.InvalidArgument, match="escapes model directory"):
+            await env.create_session(escaping, devices, {"external_data_dir": tmp_path / "m"})
+        with pytest.raises(aioep.InvalidArgument, match="external_data_dir is for a model given"):
+            await env.create_session(path, devices, {"external_data_dir": tmp_path})
+        with pytest.raises(aioep.NoSuchFile, match="is not a folder"):
+            await env.create_session(proto, devices, {"external_data_dir": tmp_path / "no"})
+        with pytest.raises(aioep.InvalidArgument, match="must be a folder path, got int 3"):
+            await env.create_session(proto, devices, {"external_data_dir": 3})
+
+
+def test_check_external_data_sizes_packed_types(tmp_path: Path) -> None:
+    from aioep._external_data.info import check_external_data
+
+    (tmp_path / "d.bin").write_bytes(b"\x12" * 3)
+    tensor = TensorProto(name="q", data_type=TensorProto.INT4, dims=[5])  # 5 nibbles: 3 bytes
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="d.bin")
+    (found,) = check_external_data([tensor], str(tmp_path))
+    assert (found.offset, found.length) == (0, 3)
+    tensor.dims[:] = [7]  # 4 bytes: more than the file holds
+    with pytest.raises(aioep.InvalidArgument, match="size mismatch"):
+        check_external_data([tensor], str(tmp_path))
+    inline = TensorProto(name="i", data_type=TensorProto.FLOAT, dims=[1], float_data=[1.0])
+    assert check_external_data([inline], str(tmp_path)) == []

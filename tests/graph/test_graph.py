@@ -11,6 +11,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
+import aioep  # noqa: E402
 from aioep import InvalidArgument, NoSuchFile  # noqa: E402
 from aioep._graph.graph import GraphView  # noqa: E402
 
@@ -245,3 +246,84 @@ def test_shape_inference_keeps_small_initializer_values_without_the_weights() ->
     assert g.value_info("y").shape == (4096,)
     assert g.value_info("w").shape == (64, 64)
     assert [i.name for i in g.inputs] == ["x"]
+
+
+def test_from_model_takes_the_model_bytes() -> None:
+    model = diamond()
+    g = GraphView.from_model(model.SerializeToString())
+    assert [n.op_type for n in g.nodes] == [n.op_type for n in GraphView.from_model(model).nodes]
+    assert g.model_path is None
+    assert g.external_data_dir is None
+    np.testing.assert_array_equal(g.initializers["w"].numpy(), np.full((2, 3), 0.5, np.float32))
+    with pytest.raises(InvalidArgument, match="8 bytes given are not a serialized ONNX model"):
+        GraphView.from_model(b"\xff\x00 not a")
+    with pytest.raises(InvalidArgument, match=r"path, its bytes or an onnx\.ModelProto"):
+        GraphView.from_model(bytearray(model.SerializeToString()))
+
+
+@pytest.mark.parametrize(
+    ("data_type", "dims", "match"),
+    [
+        (0, [4], r"data type 0 \(0 is UNDEFINED\)"),
+        (99, [4], "data type 99, which is not an ONNX tensor element type"),
+        (TP.FLOAT, [-4], r"negative dimension in its shape \[-4\]"),
+    ],
+)
+def test_a_malformed_initializer_is_invalid_argument(
+    data_type: int, dims: list[int], match: str
+) -> None:
+    w = onnx.TensorProto(name="w", data_type=data_type, dims=dims, raw_data=b"\0" * 16)
+    model = _model([h.make_node("Add", ["x", "w"], ["y"])], [_vi("x", [4])], [_vi("y", [4])], [w])
+    with pytest.raises(InvalidArgument, match=match) as caught:
+        GraphView.from_model(model)
+    assert caught.value.code is aioep.ErrorCode.INVALID_PROTOBUF
+    assert "initializer 'w'" in str(caught.value)
+
+
+def _external_model(folder: Path, location: str) -> Path:
+    """diamond() with its initializer ``w`` in the external file ``location``, saved in
+    ``folder`` as m.onnx (the data itself in ``folder``/w.bin)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    np.full((2, 3), 0.5, np.float32).tofile(folder / "w.bin")
+    model = diamond()
+    w = model.graph.initializer[0]
+    w.ClearField("raw_data")
+    w.data_location = TP.EXTERNAL
+    w.external_data.add(key="location", value=location)
+    path = folder / "m.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_external_data_follows_onnxruntimes_folder_rule(tmp_path: Path) -> None:
+    want = np.full((2, 3), 0.5, np.float32)
+    outside = tmp_path / "outside"
+    # A symbolic link inside the folder to a file inside it: ORT reads it (onnx's own
+    # reader would refuse any link).
+    path = _external_model(tmp_path / "m", "link.bin")
+    (tmp_path / "m" / "link.bin").symlink_to(tmp_path / "m" / "w.bin")
+    np.testing.assert_array_equal(GraphView.from_model(path).initializers["w"].numpy(), want)
+    # Out of the folder: InvalidArgument naming the initializer and the file (never onnx's
+    # ValidationError).
+    _external_model(outside, "w.bin")
+    (tmp_path / "m" / "out_link.bin").symlink_to(outside / "w.bin")
+    for location, match in [
+        ("../outside/w.bin", "'../outside/w.bin' escapes model directory"),
+        (str(outside / "w.bin"), "Absolute paths not allowed"),
+        ("out_link.bin", "'out_link.bin' escapes model directory"),
+    ]:
+        path = _external_model(tmp_path / "m", location)
+        with pytest.raises(InvalidArgument, match=match) as caught:
+            GraphView.from_model(path).initializers["w"].numpy()
+        assert "initializer: w" in str(caught.value)
+    # A proto has no folder, unless one is given.
+    model = onnx.load(_external_model(tmp_path / "m", "w.bin"), load_external_data=False)
+    with pytest.raises(InvalidArgument, match="without a folder"):
+        GraphView.from_model(model).initializers["w"].numpy()
+    g = GraphView.from_model(model.SerializeToString(), external_data_dir=tmp_path / "m")
+    assert g.external_data_dir == tmp_path / "m"
+    np.testing.assert_array_equal(g.initializers["w"].numpy(), want)
+    with pytest.raises(NoSuchFile, match="is not a folder"):
+        GraphView.from_model(model, external_data_dir=tmp_path / "nowhere")
+    with pytest.raises(InvalidArgument, match="external_data_dir is for a model given as bytes"):
+        GraphView.from_model(tmp_path / "m" / "m.onnx", external_data_dir=tmp_path)

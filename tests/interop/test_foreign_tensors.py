@@ -39,6 +39,8 @@ pytest.importorskip("aioep_sim")
 pytestmark = pytest.mark.anyio
 
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM, KDL_EXT_DEV = 1, 2, 3, 10, 12
+# Where long double is IEEE binary128 (aarch64 Linux), DLPack's float128 is numpy's.
+_BINARY128 = np.finfo(np.longdouble).nmant == 112
 
 
 # -- test producers --------------------------------------------------------------------------
@@ -140,7 +142,9 @@ class CapsuleProducer:
         readonly: bool = False,
         strides: tuple[int, ...] | None = None,
         on_dlpack: Callable[[Any], None] | None = None,
+        ndim: int | None = None,
     ) -> None:
+        self.ndim = ndim  # what the capsule claims (None: len(shape)), to test bad ones
         self.ptr, self.shape, self.dtype, self.device = ptr, shape, dtype, device
         self.keep, self.versioned, self.readonly, self.strides = keep, versioned, readonly, strides
         self.on_dlpack = on_dlpack
@@ -167,7 +171,7 @@ class CapsuleProducer:
         dl = managed.dl_tensor
         dl.data = self.ptr or None
         dl.device = DLDevice(*self.device)
-        dl.ndim = ndim
+        dl.ndim = ndim if self.ndim is None else self.ndim
         dl.dtype = DLDataType(*self.dtype)
         dl.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
         if strides is not None:
@@ -350,7 +354,8 @@ async def test_unsupported_dtype_and_layout_name_the_argument(
     out = np.zeros(8, np.uint16)
     bf16 = CapsuleProducer(t.data_ptr, (8,), (4, 16, 1), (KDL_EXT_DEV, 0))  # kDLBfloat
     with pytest.raises(
-        InvalidArgument, match=r"source 0: CapsuleProducer.__dlpack__ failed: .*no numpy dtype"
+        InvalidArgument,
+        match=r"source 0: CapsuleProducer.__dlpack__ gave a capsule aioep cannot use: .*no numpy",
     ):
         env.copy_tensors([bf16], [out])
     assert bf16.deleted == 1
@@ -523,6 +528,227 @@ async def test_sim_cai_read_only_and_bad_stream(
     np.testing.assert_array_equal(out, np.arange(4))
 
 
+# -- ownership: aioep memory that comes back wrapped -----------------------------------------
+async def _filled(env: aioep.Environment, value: float) -> aioep.Tensor:
+    dev = env.ep_devices(ep_name="SimExecutionProvider")[0]
+    return await sim_tensor_with(env, dev, np.full(16, value, np.float32))
+
+
+async def test_another_environments_tensor_is_refused_when_wrapped(make_env: MakeEnv) -> None:
+    """Environment A's sim tensor handed to environment B in a DLPack or CUDA Array Interface
+    wrapper is refused like the tensor itself: B neither reads it nor writes it, and nothing
+    of B's own memory is read or overwritten in its place."""
+    a, b = await make_env(), await make_env()
+    ta, tb = await _filled(a, 1.0), await _filled(b, 2.0)
+    exports = aioep.abc.live_dlpack_exports()
+    theirs = r"is device memory of another environment \(library 'sim' of Environment #\d+\)"
+    wrappers: list[tuple[Callable[[], Any], str]] = [
+        # aioep's own capsule, passed on by another object:
+        (lambda: DLPackOnly(ta), theirs),
+        # another library's capsule over memory aioep exported (just above):
+        (lambda: CapsuleProducer(ta.data_ptr, (16,), (2, 32, 1), (KDL_EXT_DEV, 0)), theirs),
+        # a bare address: sim addresses are unique in the process, none of B's memory is there
+        (lambda: CAIOnly(ta.data_ptr, (16,), "<f4", keep=ta), "no registered device owns"),
+    ]
+    for wrap, refusal in wrappers:
+        with pytest.raises(InvalidArgument, match=rf"destination 0: .*{refusal}"):
+            b.copy_tensors([np.full(16, 9.0, np.float32)], [wrap()])
+        out = np.zeros(16, np.float32)
+        with pytest.raises(InvalidArgument, match=rf"source 0: .*{refusal}"):
+            b.copy_tensors([wrap()], [out])
+        np.testing.assert_array_equal(out, 0)
+    gc.collect()
+    assert aioep.abc.live_dlpack_exports() == exports  # every refused export handed back
+    np.testing.assert_array_equal(await read_back(a, ta), 1.0)
+    np.testing.assert_array_equal(await read_back(b, tb), 2.0)
+    # In its own environment the wrapped tensor is that tensor.
+    (res,) = await a.copy_tensors([np.full(16, 3.0, np.float32)], [DLPackOnly(ta)])
+    assert res.buffer is ta.buffer
+    np.testing.assert_array_equal(await read_back(a, ta), 3.0)
+    del res
+
+
+async def test_memory_handed_out_is_recognised_inside_any_wrapper(make_env: MakeEnv) -> None:
+    """Once aioep exported a tensor, a capsule that another library makes over that memory
+    (PyTorch's view of an aioep export, say) is that tensor's memory: the owner's rule
+    applies to it, in a copy, a session run and an IOBinding, at its offset."""
+    a, b = await make_env(), await make_env()
+    ta = await _filled(a, 1.0)
+    ta.__dlpack__()  # exported (the capsule, unconsumed, is released at once)
+    tail = CapsuleProducer(ta.data_ptr + 32, (8,), (2, 32, 1), (KDL_EXT_DEV, 0))
+    with pytest.raises(InvalidArgument, match=r"another environment \(library 'sim' of Env"):
+        b.copy_tensors([np.zeros(8, np.float32)], [tail])
+    (res,) = await a.copy_tensors([np.full(8, 5.0, np.float32)], [tail])
+    assert res.buffer is ta.buffer
+    assert res.byte_offset == 32
+    np.testing.assert_array_equal(await read_back(a, ta), [1.0] * 8 + [5.0] * 8)
+    assert tail.deleted == 2  # taken as aioep's buffer: the producer's capsules went back
+    del res
+
+
+async def test_closed_environments_tensor_is_closed_error_when_wrapped(
+    make_env: MakeEnv,
+) -> None:
+    a = await make_env()
+    old = await _filled(a, 1.0)
+    with pytest.warns(ResourceWarning):
+        await a.aclose()
+    b = await make_env()
+    with pytest.raises(aioep.ClosedError, match=r"destination 0: .* which is closed"):
+        b.copy_tensors([np.zeros(16, np.float32)], [DLPackOnly(old)])
+    del old
+
+
+async def test_session_and_io_binding_refuse_another_environments_wrapped_tensor(
+    make_env: MakeEnv,
+) -> None:
+    pytest.importorskip("onnx")
+    from _models import chain
+
+    a, b = await make_env(), await make_env()
+    ta = await sim_tensor_with(
+        a, a.ep_devices(ep_name="SimExecutionProvider")[0], np.ones((3, 4), np.float32)
+    )
+    sim_b = b.ep_devices(ep_name="SimExecutionProvider")[0]
+    async with await b.create_session(chain(), [sim_b]) as sess:
+        with pytest.raises(InvalidArgument, match=r"run: input 'x': .*another environment"):
+            await sess.run({"x": DLPackOnly(ta)})
+        binding = sess.io_binding()
+        for name, bind in (("x", binding.bind_input), ("y", binding.bind_output)):
+            with pytest.raises(InvalidArgument, match=rf"{name}.*another environment"):
+                bind(name, DLPackOnly(ta))
+        del binding, bind
+    del ta
+
+
+# -- bad input: EpError naming the argument, the producer's capsule handed back ----------------
+@pytest.mark.parametrize(
+    ("case", "kwargs", "refusal"),
+    [
+        ("negative dimension", {"shape": (-4,)}, r"shape \(-4,\); dimensions must be >= 0"),
+        ("null data", {"ptr": 0}, "null data pointer"),
+        ("ndim -1", {"ndim": -1}, "ndim -1; expected 0 to 64"),
+        ("ndim 65", {"ndim": 65}, "ndim 65; expected 0 to 64"),
+        ("bfloat16", {"dtype": (4, 16, 1)}, "no numpy dtype"),
+        pytest.param(
+            "float128",
+            {"dtype": (2, 128, 1)},
+            "no numpy dtype .*long double is not IEEE",
+            marks=pytest.mark.skipif(_BINARY128, reason="long double is IEEE binary128 here"),
+        ),
+        pytest.param(
+            "complex256",
+            {"dtype": (5, 256, 1)},
+            "no numpy dtype",
+            marks=pytest.mark.skipif(_BINARY128, reason="long double is IEEE binary128 here"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("versioned", [True, False])
+async def test_refused_device_capsule_is_handed_back_and_the_argument_named(
+    sim_env: tuple[aioep.Environment, aioep.EpDevice],
+    case: str,
+    kwargs: dict[str, Any],
+    refusal: str,
+    versioned: bool,
+) -> None:
+    """Once read, a capsule is aioep's: a refusal calls the producer's deleter (DLPack's rule
+    for a consumer) and the message names the argument, never ``Buffer``."""
+    env, sim = sim_env
+    t = await sim_tensor_with(env, sim, np.arange(4, dtype=np.float32))
+    args: dict[str, Any] = {"ptr": t.data_ptr, "shape": (4,), "dtype": (2, 32, 1)}
+    args.update(kwargs)
+    prod = CapsuleProducer(
+        args.pop("ptr"), args.pop("shape"), args.pop("dtype"), (KDL_EXT_DEV, 0),
+        versioned=versioned, **args,
+    )  # fmt: skip
+    with pytest.raises(
+        InvalidArgument, match=rf"^copy_tensors source 0: CapsuleProducer.*{refusal}"
+    ):
+        env.copy_tensors([prod], [np.zeros(4, np.float32)])
+    assert prod.deleted == 1, case
+    assert _capsule_name(prod.capsules[0]).startswith(b"used_")  # consumed, then handed back
+    prod.capsules.clear()
+    np.testing.assert_array_equal(await read_back(env, t), np.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "refusal"),
+    [
+        ("strides", 5, r"strides must be None or a tuple of 1 int\(s\).*got int 5"),
+        ("strides", (4.0,), r"strides must be None or a tuple of 1 int\(s\)"),
+        ("stream", "abc", r"stream must be None or an int .*got str 'abc'"),
+        ("stream", 1.5, r"stream must be None or an int"),
+        ("shape", (15.9,), r"shape must be a tuple of ints >= 0, got tuple \(15.9,\)"),
+        ("shape", (-1,), r"shape must be a tuple of ints >= 0"),
+        ("shape", 4, r"shape must be a tuple of ints >= 0, got int 4"),
+        ("typestr", 7, r"typestr must be a numpy type string, got int 7"),
+        pytest.param(
+            "typestr",
+            "<f16",
+            r"unsupported dtype float128 \('<f16'\)",
+            marks=pytest.mark.skipif(_BINARY128, reason="long double is IEEE binary128 here"),
+        ),
+        ("data", ("0x1000", False), r"data must be a tuple \(pointer: int, read_only: bool\)"),
+        ("data", 4096, r"data must be a tuple"),
+        ("version", "3", r"version must be an int, got str '3'"),
+    ],
+)
+async def test_malformed_cuda_array_interface_is_invalid_argument(
+    sim_env: tuple[aioep.Environment, aioep.EpDevice], field: str, value: Any, refusal: str
+) -> None:
+    env, sim = sim_env
+    t = await sim_tensor_with(env, sim, np.arange(4, dtype=np.float32))
+    cai = CAIOnly(t.data_ptr, (4,), "<f4", keep=t)
+    cai.__cuda_array_interface__[field] = value
+    out = np.zeros(4, np.float32)
+    with pytest.raises(InvalidArgument, match=rf"^copy_tensors source 0: CAIOnly.*{refusal}"):
+        env.copy_tensors([cai], [out])
+    with pytest.raises(InvalidArgument, match=rf"^copy_tensors destination 0: CAIOnly.*{refusal}"):
+        env.copy_tensors([np.ones(4, np.float32)], [cai])
+    np.testing.assert_array_equal(await read_back(env, t), np.arange(4))
+
+
+async def test_cuda_array_interface_that_raises_is_invalid_argument_with_its_cause(
+    sim_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    env, _sim = sim_env
+    failure = KeyError("not ready")
+
+    class Broken:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise failure
+
+    with pytest.raises(
+        InvalidArgument, match=r"source 0: Broken.__cuda_array_interface__ raised KeyError"
+    ) as caught:
+        env.copy_tensors([Broken()], [np.zeros(4, np.float32)])
+    assert caught.value.__cause__ is failure
+
+
+async def test_legacy_host_capsule_is_a_writable_destination() -> None:
+    """A legacy (pre-1.0) capsule has no read-only flag: aioep writes into it, as PyTorch and
+    CuPy do (numpy >= 2 marks such an import read-only); a DLPack 1.x producer's read-only
+    flag is honoured."""
+    async with aioep.Environment(autoload=False):
+        dst = np.zeros(8, np.int32)
+        legacy = CapsuleProducer(dst.ctypes.data, (8,), (0, 32, 1), (KDL_CPU, 0), keep=dst,
+                                 versioned=False)  # fmt: skip
+        (res,) = await aioep.copy_tensors([np.arange(8, dtype=np.int32)], [legacy])
+        np.testing.assert_array_equal(dst, np.arange(8))
+        assert res.data_ptr == dst.ctypes.data  # zero-copy, into the producer's memory
+        flagged = CapsuleProducer(dst.ctypes.data, (8,), (0, 32, 1), (KDL_CPU, 0), keep=dst,
+                                  readonly=True)  # fmt: skip
+        with pytest.raises(InvalidArgument, match=r"destination 0: CapsuleProducer is read-only"):
+            aioep.copy_tensors([np.zeros(8, np.int32)], [flagged])
+        np.testing.assert_array_equal(dst, np.arange(8))
+        del res
+        gc.collect()
+        assert legacy.deleted == 1
+        assert flagged.deleted == 1
+
+
 # -- lifetime --------------------------------------------------------------------------------
 async def test_dropped_producer_lives_until_the_copy_is_done(
     sim_env: tuple[aioep.Environment, aioep.EpDevice],
@@ -636,24 +862,35 @@ DRIVER = select_driver()
 needs_gpu = pytest.mark.skipif(not DRIVER.available, reason=DRIVER.reason or "")
 
 
-@pytest.fixture
-async def cuda_env() -> AsyncIterator[tuple[aioep.Environment, aioep.EpDevice]]:
+@contextlib.asynccontextmanager
+async def cuda_environments(count: int) -> AsyncIterator[list[tuple[aioep.Environment, Any]]]:
+    """``count`` environments with the CUDA backend (on the emulator: one device they share),
+    each with its first EP device; closed afterwards, and the emulator saw no misuse."""
     pytest.importorskip("aioep_cuda")
     emulator = DRIVER.emulator
     with contextlib.ExitStack() as stack:
         if emulator is not None:
             emulator.take_violation()
             stack.enter_context(emulator.devices(1))
-        env = await aioep.Environment(autoload=False).__aenter__()
+        envs: list[aioep.Environment] = []
         try:
-            env.register_library("cuda", "aioep_cuda:CudaFactory")
-            yield env, env.ep_devices(ep_name="CUDAExecutionProvider")[0]
+            for _ in range(count):
+                envs.append(await aioep.Environment(autoload=False).__aenter__())
+                envs[-1].register_library("cuda", "aioep_cuda:CudaFactory")
+            yield [(env, env.ep_devices(ep_name="CUDAExecutionProvider")[0]) for env in envs]
             gc.collect()
         finally:
-            await env.aclose()
+            for env in reversed(envs):
+                await env.aclose()
         if emulator is not None:
             violation = emulator.take_violation()
             assert violation is None, f"the CUDA emulator saw a violation: {violation}"
+
+
+@pytest.fixture
+async def cuda_env() -> AsyncIterator[tuple[aioep.Environment, aioep.EpDevice]]:
+    async with cuda_environments(1) as [pair]:
+        yield pair
 
 
 async def not_before_release(future: aioep.CopyFuture) -> None:
@@ -880,3 +1117,68 @@ def _cai_args(cai: dict[str, Any]) -> dict[str, Any]:
         "stream": cai.get("stream"),
         "strides": cai.get("strides"),
     }
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_another_environments_tensor_is_refused_when_wrapped() -> None:
+    """The CUDA path of the ownership rule: environment A's CUDA tensor, passed to B through
+    DLPack (A's capsule, or another library's over that memory) or through the CUDA Array
+    Interface A's tensor gives, is refused; neither tensor changes."""
+    async with cuda_environments(2) as [(a, gpu_a), (b, gpu_b)]:
+        ta = a.empty((256,), np.float32, cuda_mem(gpu_a))
+        tb = b.empty((256,), np.float32, cuda_mem(gpu_b))
+        await a.copy_tensors([np.full(256, 1.0, np.float32)], [ta])
+        await b.copy_tensors([np.full(256, 2.0, np.float32)], [tb])
+        exports = aioep.abc.live_dlpack_exports()
+        theirs = r"is device memory of another environment \(library 'cuda' of Environment"
+        wrappers: list[Callable[[aioep.Tensor], Any]] = [
+            DLPackOnly,
+            lambda t: CapsuleProducer(t.data_ptr, (256,), (2, 32, 1), (KDL_CUDA, 0)),
+            lambda t: CAIOnly(**_cai_args(t.__cuda_array_interface__)),
+        ]
+        for wrap in wrappers:
+            with pytest.raises(InvalidArgument, match=rf"destination 0: .*{theirs}"):
+                b.copy_tensors([np.full(256, 9.0, np.float32)], [wrap(ta)])
+            out = np.zeros(256, np.float32)
+            with pytest.raises(InvalidArgument, match=rf"source 0: .*{theirs}"):
+                b.copy_tensors([wrap(ta)], [out])
+            np.testing.assert_array_equal(out, 0)
+        gc.collect()
+        assert aioep.abc.live_dlpack_exports() == exports
+        out_a, out_b = np.zeros(256, np.float32), np.zeros(256, np.float32)
+        await a.copy_tensors([ta], [out_a])
+        await b.copy_tensors([tb], [out_b])
+        np.testing.assert_array_equal(out_a, 1.0)
+        np.testing.assert_array_equal(out_b, 2.0)
+        del ta, tb, wrap
+
+
+@pytest.mark.gpu
+@needs_gpu
+async def test_cuda_export_refused_by_numpy_leaks_nothing_and_holds_its_buffer(
+    cuda_env: tuple[aioep.Environment, aioep.EpDevice],
+) -> None:
+    """``np.from_dlpack`` of a CUDA tensor fails cleanly and releases its export (the
+    environment then closes with nothing alive, so the context is released); a live export
+    defers ``free()`` of an arena buffer until the consumer's deleter runs."""
+    env, gpu = cuda_env
+    env.create_shared_allocator(gpu, MemoryType.DEFAULT, aioep.AllocatorType.ARENA)
+    t = env.empty((1024,), np.float32, cuda_mem(gpu))
+    before = aioep.abc.live_dlpack_exports()
+    for _ in range(3):
+        with pytest.raises((BufferError, RuntimeError), match=r"[Uu]nsupported device"):
+            np.from_dlpack(t)
+    assert aioep.abc.live_dlpack_exports() == before
+    capsule = t.__dlpack__()
+    ptr = t.data_ptr
+    t.buffer.free()
+    assert t.buffer.freed
+    other = env.empty((1024,), np.float32, cuda_mem(gpu))
+    assert other.data_ptr + other.nbytes <= ptr or ptr + t.nbytes <= other.data_ptr
+    del capsule  # dropped unconsumed: the export's release frees the buffer
+    gc.collect()
+    assert aioep.abc.live_dlpack_exports() == before
+    again = env.empty((1024,), np.float32, cuda_mem(gpu))
+    assert again.data_ptr == ptr
+    del t, other, again

@@ -20,6 +20,7 @@ import aioep
 from aioep import AllocatorType, DeviceError, InvalidArgument, MemoryType
 from aioep._devices.host import HostAllocator, HostFactory
 from aioep._memory.arena import SIZE_MAX, ArenaAllocator, ArenaConfig, ArenaExtendStrategy
+from aioep._memory.arena_pool import MAX_PARKED, PARK_MAX
 from aioep._streams.stream import SyncStream
 from aioep._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl
 
@@ -477,10 +478,67 @@ def check_invariants(a: ArenaAllocator, live: list[aioep.Buffer]) -> None:
     assert stats["LargestFreeBlock"] == max(free_sizes, default=0)
 
 
+def check_pool_index(a: ArenaAllocator, live: list[aioep.Buffer]) -> None:
+    """The pool's indexes (each core's bins, address map and per-stream index of free
+    chunks; the parked lists) against a brute-force walk of the chunks, without taking
+    the parked chunks back (as ``chunks()`` does)."""
+    assert a.live_buffers == len(live)  # (takes released chunks back, parks them)
+    pool = a._pool
+    parked_ids: set[int] = set()
+    for core in pool.cores:
+        chunks = [c for r in core.regions for c in _region_chunks(r.head)]
+        free = [c for c in chunks if not c.in_use and not c.region.dedicated]
+        assert {c.ptr: id(c) for c in free} == {p: id(c) for p, c in core.free_at.items()}
+        keys = sorted(c.size << 64 | c.ptr for c in free)
+        assert sorted(k for b in core.bins for k in b) == keys
+        tagged: dict[object, set[int]] = {}
+        for c in free:
+            if c.tag is not None:
+                tagged.setdefault(c.tag, set()).add(id(c))
+        assert {t: {id(c) for c in d.values()} for t, d in core.tagged.items()} == tagged
+    lists = [(None, cls, chunks) for cls, chunks in pool.parked.items()]
+    for cls, per in pool.stream_parked.items():
+        assert per, "no empty stream dicts"
+        lists += [(owner, cls, chunks) for owner, chunks in per.items()]
+    for owner, cls, chunks in lists:
+        assert owner is None or chunks, "no empty stream lists"
+        assert len(chunks) <= MAX_PARKED
+        assert [c.ptr for c in chunks] == sorted((c.ptr for c in chunks), reverse=True)
+        for c in chunks:
+            assert c.in_use
+            assert c.tag is owner
+            assert c.cls == cls
+            assert c.region.core is pool.small
+            assert id(c) not in parked_ids, "a chunk parked twice"
+            parked_ids.add(id(c))
+    held = {id(b._chunk) for b in live if b.nbytes}  # type: ignore[attr-defined]
+    in_use = {
+        id(c)
+        for core in pool.cores
+        for r in core.regions
+        for c in _region_chunks(r.head)
+        if c.in_use
+    }
+    assert in_use == held | parked_ids, "every chunk in use is a live buffer's or parked"
+
+
+def _region_chunks(head: Any) -> list[Any]:
+    out = []
+    while head is not None:
+        out.append(head)
+        head = head.next
+    return out
+
+
 _op = st.one_of(
     st.tuples(st.just("alloc"), st.integers(1, 300_000), st.integers(0, 2)),
+    st.tuples(st.just("alloc"), st.sampled_from([256, 4096, 5000, 70_000]), st.integers(0, 2)),
+    st.tuples(st.just("alloc"), st.integers(PARK_MAX, 4 * MiB), st.integers(0, 2)),
     st.tuples(st.just("free"), st.integers(0, 1000), st.just(0)),
+    st.tuples(st.just("drop"), st.integers(0, 1000), st.just(0)),
     st.tuples(st.just("sync"), st.integers(0, 2), st.integers(0, 2)),
+    st.tuples(st.just("complete"), st.integers(1, 2), st.just(0)),
+    st.tuples(st.just("release"), st.integers(1, 2), st.just(0)),
     st.tuples(st.just("shrink"), st.just(0), st.just(0)),
 )
 
@@ -494,6 +552,10 @@ _op = st.one_of(
 def test_random_sequences_keep_invariants(
     ops: list[tuple[str, int, int]], initial: int, strategy: ArenaExtendStrategy
 ) -> None:
+    """Random allocations on three streams (none, and two that never finish unless told
+    to), frees, drops, waits, completions, stream releases and shrinks: the pool's
+    indexes match a brute-force walk after every step, then the chunks tile the regions
+    and the statistics match the live buffers."""
     a = arena(initial_chunk_size_bytes=initial, extend_strategy=strategy)
     streams: list[SyncStream | None] = [None, mock_stream(), mock_stream()]
     live: list[aioep.Buffer] = []
@@ -502,16 +564,26 @@ def test_random_sequences_keep_invariants(
             live.append(a.alloc(x, stream=streams[y]))
         elif kind == "free" and live:
             live.pop(x % len(live)).free()
+        elif kind == "drop" and live:
+            del live[x % len(live)]
         elif kind == "sync" and x and y and x != y:
             producer, consumer = streams[x], streams[y]
             assert producer is not None
             assert consumer is not None
             consumer.wait(producer.record())
+        elif kind == "complete":
+            impl = streams[x].impl  # type: ignore[union-attr]
+            assert isinstance(impl, _MockStream)
+            impl.complete()
+        elif kind == "release":
+            a.release_stream_buffers(streams[x])  # type: ignore[arg-type]
         elif kind == "shrink":
             a.shrink()
+        check_pool_index(a, live)
         check_invariants(a, live)
     for buf in live:
         buf.free()
+    check_pool_index(a, [])
     check_invariants(a, [])
     assert a.stats()["InUse"] == 0
 

@@ -132,7 +132,7 @@ def test_pressure_frees_only_the_parked_chunks_in_the_way() -> None:
     top.free()
     big = a.alloc(MiB - 65536)  # a size class of its own; needs the tail and top's chunk
     assert big.ptr == live.ptr + 4096
-    assert [c.ptr for c in a._fast[4096][None]] == [low_ptr]  # still parked
+    assert [c.ptr for c in a._pool.parked[4096]] == [low_ptr]  # still parked
     assert a.alloc(4096).ptr == low_ptr
     assert a.stats()["NumArenaExtensions"] == 1
     del live, big

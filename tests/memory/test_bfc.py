@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from aioep import InvalidArgument
-from aioep._memory.bfc import NUM_BINS, BfcCore, Chunk
+from aioep._memory.bfc import NUM_BINS, BfcCore, Chunk, bin_of
 
 UNIT = 256
 TAGS = (None, "a", "b")  # opaque tags: the core only compares them by identity
@@ -175,12 +175,30 @@ class BfcMachine(RuleBasedStateMachine):
         binned = self.core.free_chunks()
         free = [c for c in self.core.walk() if not c.in_use and not c.region.dedicated]
         assert sorted(id(c) for c in binned) == sorted(id(c) for c in free)
+        keys = 0
         for i, entries in enumerate(self.core.bins):
-            assert entries == sorted(entries, key=lambda e: (e[0], e[1]))
+            assert entries == sorted(entries)
             assert bool(entries) == bool(self.core.nonempty >> i & 1)
-            for size, ptr, c in entries:
+            for key in entries:
+                size, ptr = key >> 64, key & ((1 << 64) - 1)
+                c = self.core.free_at[ptr]
                 assert (size, ptr) == (c.size, c.ptr)
-                assert i == min((size // UNIT).bit_length() - 1, NUM_BINS - 1)
+                assert i == min((size // UNIT).bit_length() - 1, NUM_BINS - 1) == bin_of(size)
+            keys += len(entries)
+        assert keys == len(self.core.free_at) == len(free)
+
+    @invariant()
+    def the_tag_index_is_a_brute_force_walk(self) -> None:
+        expected: dict[object, set[int]] = {}
+        for c in self.core.walk():
+            if not c.in_use and not c.region.dedicated and c.tag is not None:
+                expected.setdefault(c.tag, set()).add(id(c))
+        got = {tag: {id(c) for c in chunks.values()} for tag, chunks in self.core.tagged.items()}
+        assert got == expected
+        for tag, ids in expected.items():
+            assert {id(c) for c in self.core.tagged_chunks(tag)} == ids
+            for c in self.core.tagged_chunks(tag):
+                assert self.core.tagged[tag][c.ptr] is c
 
     @invariant()
     def stats_equal_the_models(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,6 +175,38 @@ async def test_env_empty_shapes_and_dtypes() -> None:
             env.empty((3, -2), "int8")
         with pytest.raises(aioep.InvalidArgument, match="MemoryInfo"):
             env.empty(3, "int8", "Cpu")  # type: ignore[arg-type]
+        del t
+
+
+async def test_env_empty_checks_shape_and_dtype_once() -> None:
+    reads = {"shape": 0, "dtype": 0}
+
+    class Shape:  # a sequence that counts how often it is read
+        def __iter__(self) -> Iterator[int]:
+            reads["shape"] += 1
+            return iter((2, 3))
+
+        def __len__(self) -> int:
+            return 2
+
+    class Dtype:  # numpy reads a dtype-like's ``dtype`` attribute
+        @property
+        def dtype(self) -> np.dtype[Any]:
+            reads["dtype"] += 1
+            return np.dtype("float32")
+
+    async with aioep.Environment(autoload=False) as env:
+        t = env.empty(Shape(), Dtype())  # type: ignore[arg-type]
+        assert t.shape == (2, 3)
+        assert t.dtype == np.float32
+        assert t.nbytes == 24
+        assert reads == {"shape": 1, "dtype": 1}
+        alloc = env.get_shared_allocator(HOST_MEMORY_INFO)
+        assert alloc is not None
+        before = alloc.stats()["NumAllocs"]
+        with pytest.raises(aioep.InvalidArgument, match="empty: dtype object holds Python"):
+            env.empty(4, object)
+        assert alloc.stats()["NumAllocs"] == before  # refused before anything is allocated
         del t
 
 

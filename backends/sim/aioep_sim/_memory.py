@@ -6,12 +6,16 @@ from any host pointer, and the bytes live in a numpy array that only the sim
 holds, found again by address. Data moves in and out only through the sim's
 data transfer, so ``Tensor.numpy()`` on it fails like it would on a GPU.
 Addresses are never reused, so a copy that touches freed memory is caught as
-an illegal address instead of silently reading someone else's data.
+an illegal address instead of silently reading someone else's data. As on a GPU
+with unified addressing, every device of every sim factory in the process has its
+own range of addresses: a pointer into one environment's sim memory never resolves
+in another's.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from typing import TYPE_CHECKING
 
@@ -30,6 +34,11 @@ __all__ = ["DEVICE_ALIGNMENT", "DeviceMemory", "PinnedAllocator", "SimAllocator"
 
 DEVICE_ALIGNMENT = 256  # what cudaMalloc guarantees
 _ADDRESS_SPACE_BITS = 44  # 16 TiB of address space per device
+# Address ranges, one per DeviceMemory in the process: 1 to 2**19 - 1, so that every address
+# fits a signed 64-bit int (what DLPack's int64 fields and many consumers assume). Numbers
+# come round again only after half a million sim devices.
+_RANGES = 1 << (63 - _ADDRESS_SPACE_BITS)
+_next_range = itertools.count()
 
 
 class DeviceMemory:
@@ -38,7 +47,7 @@ class DeviceMemory:
     def __init__(self, device_id: int, limit: int) -> None:
         self.device_id = device_id
         self.limit = limit
-        self.base = (device_id + 1) << _ADDRESS_SPACE_BITS
+        self.base = (next(_next_range) % (_RANGES - 1) + 1) << _ADDRESS_SPACE_BITS
         self._next = self.base
         self._lock = threading.Lock()
         self._starts: list[int] = []  # sorted: addresses only grow

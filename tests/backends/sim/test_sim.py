@@ -84,6 +84,25 @@ async def test_device_memory_is_private_and_pinned_memory_is_host_memory(
     assert (np.asarray(p) == 3.0).all()
 
 
+def test_every_sim_device_in_the_process_has_its_own_addresses() -> None:
+    """As with a GPU's unified addressing: two factories (two environments) never hand out
+    the same address, so a pointer into one's memory never resolves in the other's."""
+    first, second = SimFactory(), SimFactory()
+    try:
+        devices = [*first.devices, *second.devices]
+        ptrs = [dev.memory.allocate(256) for dev in devices]
+        assert len(set(ptrs)) == len(ptrs)
+        for dev, ptr in zip(devices, ptrs):
+            for other in devices:
+                if other is not dev:
+                    with pytest.raises(aioep.DeviceError, match="illegal address"):
+                        other.memory.resolve(ptr, 256)
+            dev.memory.free(ptr)
+    finally:
+        first.close()
+        second.close()
+
+
 async def test_pinned_view_outlives_an_explicit_free(make_env: MakeEnv) -> None:
     env = await make_env()
     p = env.empty((1 << 16,), "uint8", sim_devices(env)[0].memory_info(MemoryType.HOST_ACCESSIBLE))
