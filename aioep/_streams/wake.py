@@ -1,4 +1,5 @@
-"""The one event-loop-specific piece: wake a waiting task from any thread.
+"""The one event-loop-specific piece: wake a waiting task from any thread (and tell whether
+this thread runs an event loop, which a blocking wait would stall).
 
 A backend signals completion from its own thread (a stream worker, a driver
 callback). :func:`wait_for` registers a thread-safe callback that schedules the
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import warnings
 from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["wait_for"]
+__all__ = ["runs_event_loop", "wait_for", "warn_if_blocking_loop"]
 
 Register = Callable[[Callable[[], None]], bool]
 
@@ -79,3 +81,31 @@ async def _poll(query: Callable[[], bool]) -> None:
     while not query():
         await anyio.sleep(delay)
         delay = min(delay * 2, 5e-3)
+
+
+def runs_event_loop() -> bool:
+    """True when the calling thread is running an asyncio or trio event loop (in a task
+    or in a callback of it); False on worker threads and in synchronous programs.
+
+    Two thread-local lookups, no exception raised: asyncio's running loop, then trio's
+    run (only when trio is imported). anyio runs on one of the two, so it is covered.
+    """
+    if asyncio._get_running_loop() is not None:
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and bool(trio.lowlevel.in_trio_run())
+
+
+def warn_if_blocking_loop(waiter: object, done: Callable[[], bool]) -> None:
+    """Warn with a :class:`RuntimeWarning` when ``waiter.wait()`` is about to block an event
+    loop: the calling thread runs one and the work is still pending (``done()`` is False).
+
+    The warning points at the caller of ``wait()``.
+    """
+    if runs_event_loop() and not done():
+        warnings.warn(
+            f"{waiter!r}.wait() blocks the event loop running on this thread until the work "
+            "completes; use 'await' on it instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
