@@ -87,8 +87,9 @@ def runs_event_loop() -> bool:
     """True when the calling thread is running an asyncio or trio event loop (in a task
     or in a callback of it); False on worker threads and in synchronous programs.
 
-    Two thread-local lookups, no exception raised: asyncio's running loop, then trio's
-    run (only when trio is imported). anyio runs on one of the two, so it is covered.
+    asyncio's running loop for this thread, then, only when trio is imported,
+    ``trio.lowlevel.in_trio_run()``: two thread-local lookups, about a microsecond in all.
+    anyio runs on one of the two, so it is covered.
     """
     if asyncio._get_running_loop() is not None:
         return True
@@ -100,9 +101,10 @@ def warn_if_blocking_loop(waiter: object, done: Callable[[], bool]) -> None:
     """Warn with a :class:`RuntimeWarning` when ``waiter.wait()`` is about to block an event
     loop: the calling thread runs one and the work is still pending (``done()`` is False).
 
-    The warning points at the caller of ``wait()``.
+    The warning points at the caller of ``wait()``. ``done()`` is asked first: work
+    already done costs one query, and a pending wait is about to block anyway.
     """
-    if runs_event_loop() and not done():
+    if not done() and runs_event_loop():
         warnings.warn(
             f"{waiter!r}.wait() blocks the event loop running on this thread until the work "
             "completes; use 'await' on it instead",
