@@ -429,22 +429,26 @@ async def test_blocking_wait_on_the_loop_thread_warns_only_while_pending(
         g, impl = gate()
         s.wait(g)
         n = s.record()
-        with (
-            pytest.warns(RuntimeWarning, match=r"Notification .*wait\(\) blocks the event loop"),
-            pytest.raises(TimeoutError),
-        ):
-            n.wait(0.001)
-        # A gate notification of no stream, too.
-        with (
-            pytest.warns(RuntimeWarning, match="use 'await' on it instead"),
-            pytest.raises(TimeoutError),
-        ):
-            g.wait(0)
-        # The same wait on a worker thread is the right tool: no warning (filterwarnings =
-        # error would raise it there).
-        with pytest.raises(TimeoutError):
-            await anyio.to_thread.run_sync(n.wait, 0.001)
-        impl.set()
+        try:
+            with (
+                pytest.warns(
+                    RuntimeWarning, match=r"Notification .*wait\(\) blocks the event loop"
+                ),
+                pytest.raises(TimeoutError),
+            ):
+                n.wait(0.001)
+            # A gate notification of no stream, too.
+            with (
+                pytest.warns(RuntimeWarning, match="use 'await' on it instead"),
+                pytest.raises(TimeoutError),
+            ):
+                g.wait(0)
+            # The same wait on a worker thread is the right tool: no warning (filterwarnings =
+            # error would raise it there).
+            with pytest.raises(TimeoutError):
+                await anyio.to_thread.run_sync(n.wait, 0.001)
+        finally:
+            impl.set()  # (or the stream's close waits for the gate forever)
         await n
         with warnings.catch_warnings():
             warnings.simplefilter("error")
