@@ -295,7 +295,7 @@ class Environment(AsyncResource):
 
         Shielded from cancellation. What was still alive (open streams and sessions,
         which it closes, and live buffers, which stay valid until dropped) is no error and
-        no warning: it is recorded in :attr:`close_report`.
+        no warning: it is recorded in [`close_report`][aioep.Environment.close_report].
         """
         if not self._begin_closing():
             return

@@ -3,7 +3,7 @@
 Leaving an environment with a stream or session still open, or with a tensor still named
 by a local, is ordinary code: the environment closes the streams and sessions for you, and
 a buffer stays valid until it is dropped. So none of it is a warning. It is recorded in
-:attr:`Environment.close_report` instead, which the pytest plugin's leak check reads.
+`Environment.close_report` instead, which the pytest plugin's leak check reads.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class CloseReport:
         return sum(b.count for b in self.buffers)
 
     def lines(self) -> list[str]:
-        """One sentence per finding (empty when :attr:`clean`)."""
+        """One sentence per finding (empty when `clean`)."""
         found = [f"{s} was still open when the environment closed" for s in self.streams]
         found += [f"{s} was still open when the environment closed" for s in self.sessions]
         found += [str(b) for b in self.buffers]

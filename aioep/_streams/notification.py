@@ -119,7 +119,7 @@ class Notification:
 
 
 def wait_blocking(notification: Notification, timeout: float | None = None) -> None:
-    """:meth:`Notification.wait` without its event-loop warning, for aioep's own synchronous
+    """`Notification.wait` without its event-loop warning, for aioep's own synchronous
     paths that block on purpose (a blocking close, a DLPack export of host memory).
 
     ``timeout`` is already checked (None, or seconds >= 0).

@@ -98,7 +98,7 @@ def runs_event_loop() -> bool:
 
 
 def warn_if_blocking_loop(waiter: object, done: Callable[[], bool]) -> None:
-    """Warn with a :class:`RuntimeWarning` when ``waiter.wait()`` is about to block an event
+    """Warn with a `RuntimeWarning` when ``waiter.wait()`` is about to block an event
     loop: the calling thread runs one and the work is still pending (``done()`` is False).
 
     The warning points at the caller of ``wait()``. ``done()`` is asked first: work
