@@ -35,6 +35,8 @@ from ._devices.factory import EpFactory as EpFactory
 from ._environment.environment import Environment as Environment
 from ._environment.environment import copy_tensors as copy_tensors
 from ._environment.environment import current_environment as current_environment
+from ._environment.report import CloseReport as CloseReport
+from ._environment.report import LiveBuffers as LiveBuffers
 from ._graph.graph import GraphView as GraphView
 from ._graph.graph import Initializer as Initializer
 from ._graph.graph import Node as Node
@@ -65,6 +67,7 @@ __all__ = [
     "ArenaConfig",
     "ArenaExtendStrategy",
     "Buffer",
+    "CloseReport",
     "ClosedError",
     "CompiledNode",
     "CopyFuture",
@@ -85,6 +88,7 @@ __all__ = [
     "IndexedSubGraph",
     "Initializer",
     "InvalidArgument",
+    "LiveBuffers",
     "MemoryDevice",
     "MemoryInfo",
     "MemoryType",

@@ -146,7 +146,7 @@ def _aioep_env_sync(request: pytest.FixtureRequest) -> Iterator[Environment]:
         check_backends(env, names)
         yield env
     finally:
-        with leak_check(request):
+        with leak_check(request, env):
             env.close()
 
 

@@ -53,7 +53,6 @@ async def main() -> None:
                 await env.copy_tensors([tensor], [back])
                 ok = np.array_equal(back.numpy(), weights[name])
                 print(f"{name:6} {tensor!r} matches: {ok}")
-            del tensors, tensor, back
 
 
 if __name__ == "__main__":

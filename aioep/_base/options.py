@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .errors import InvalidArgument
+from .validate import short_repr
 
 __all__ = [
     "parse_bool_option",
@@ -54,7 +55,8 @@ __all__ = [
 ]
 
 _INT = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)")
-_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# (one way to match each string: `[0-9]+\.?[0-9]*` backtracked for seconds on 10**4 digits)
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _TRUE = ("true", "1")
 _FALSE = ("false", "0")
 
@@ -70,7 +72,9 @@ def _bounds(minimum: float | None, maximum: float | None) -> str:
 
 
 def _error(owner: str, key: str, wanted: str, value: Any, note: str = "") -> InvalidArgument:
-    return InvalidArgument(f"{owner} option {key!r} must be {wanted}, got {value!r}{note}")
+    return InvalidArgument(
+        f"{owner} option {key!r} must be {wanted}, got {short_repr(value)}{note}"
+    )
 
 
 def parse_int_option(
@@ -106,7 +110,10 @@ def parse_int_option(
         if not _INT.fullmatch(text):
             note = " (not a whole integer)" if _FLOAT.fullmatch(text) else ""
             raise _error(owner, key, wanted + " (decimal or 0x hex)", value, note)
-        number = int(text, 0) if "x" in text or "X" in text else int(text, 10)
+        try:
+            number = int(text, 0) if "x" in text or "X" in text else int(text, 10)
+        except ValueError:  # more decimal digits than Python converts (4,300 by default)
+            raise _error(owner, key, wanted, value, " (too many digits)") from None
     elif isinstance(value, numbers.Real):
         raise _error(owner, key, wanted, value, " (a float; pass an int or an int string)")
     else:
@@ -143,7 +150,10 @@ def parse_float_option(
     if isinstance(value, bool):
         raise _error(owner, key, wanted, value, " (a bool)")
     if isinstance(value, numbers.Real):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int (or a Fraction) beyond a float's range
+            number = math.inf
     elif isinstance(value, str):
         text = value.strip()
         if not _FLOAT.fullmatch(text):
@@ -210,7 +220,9 @@ def reject_unknown_options(
             f"{owner} options must be a mapping of str to str/int/float, got {type(given).__name__}"
         )
     names = set(known)
-    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in given if k not in names)
+    unknown = sorted(
+        k if isinstance(k, str) and len(k) <= 80 else short_repr(k) for k in given if k not in names
+    )
     if unknown:
         if names:
             known_text = f"; known options are {sorted(names)}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,18 +22,35 @@ __all__ = [
     "check_timeout",
     "check_type",
     "describe",
+    "short_repr",
 ]
 
 MAX_DIM = 1 << 62
 """The largest tensor dimension or byte count accepted (ORT's int64 sizes, with room)."""
 
 
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most about ``limit`` characters; never raises.
+
+    A long str shows its start and its length; an int too long to show (Python refuses to
+    convert one of over 4,300 digits to text) shows its size; anything else is cut.
+    """
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[: limit - 20]!r}... ({len(value)} characters)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * limit:
+        # (each decimal digit is ~3.3 bits: over `limit` digits; no conversion to text)
+        kind = "a negative int" if value < 0 else "an int"
+        return f"<{kind} of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails: say what it is
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def describe(value: object) -> str:
     """A short description of ``value`` for an error message: its type and a bounded repr."""
-    text = repr(value)
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{type(value).__name__} {text}"
+    return f"{type(value).__name__} {short_repr(value)}"
 
 
 def check_type(
@@ -54,23 +72,32 @@ def check_int(
     out = int(value)
     if not minimum <= out <= maximum:
         raise InvalidArgument(
-            f"{where}: {name} must be an int in [{minimum}, {maximum}], got {out}"
+            f"{where}: {name} must be an int in [{minimum}, {maximum}], got {short_repr(out)}"
         )
     return out
 
 
 def check_timeout(where: str, timeout: object) -> float | None:
-    """A wait's timeout: None or a number >= 0; infinity means None (wait forever)."""
+    """A blocking wait's timeout: None or a number of seconds >= 0 (NaN and negative
+    numbers are refused, as trio refuses them).
+
+    Returns None (wait as long as it takes) for None, infinity and any timeout longer than
+    the threads can wait at once (``threading.TIMEOUT_MAX``, about 292 years), which
+    ``threading`` would refuse with an ``OverflowError``.
+    """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgument(
             f"{where}: timeout must be None or a number of seconds >= 0, got {describe(timeout)}"
         )
-    value = float(timeout)
+    try:
+        value = float(timeout)
+    except OverflowError:  # an int (or a Fraction) beyond a float's range
+        value = math.inf if timeout > 0 else -math.inf  # type: ignore[operator]
     if math.isnan(value) or value < 0:
         raise InvalidArgument(f"{where}: timeout must be >= 0 seconds (or None), got {value}")
-    return None if math.isinf(value) else value
+    return None if value > threading.TIMEOUT_MAX else value
 
 
 def check_options(where: str, name: str, options: object) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from .._devices.host import HOST_EP_NAME, lower_thread_priority
 from .._interop.foreign import import_copy_args, importers_of
 from .._interop.importer import MemoryImporter
 from .._memory.transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
-from .._streams.notification import Notification
+from .._streams.notification import Notification, wait_blocking
 from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
@@ -229,7 +229,8 @@ class CopyDispatcher:
         """Blocking form of `drain`, for synchronous callers."""
         for future in list(self._inflight):
             try:
-                future.wait()
+                wait_blocking(future.notification)  # blocking on purpose: no loop warning
+                future.done()
             except Exception:
                 pass
 

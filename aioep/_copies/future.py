@@ -11,7 +11,7 @@ from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
 from .._streams.notification import Notification, device_error
 from .._streams.stream_impl import call_reporting
-from .._streams.wake import wait_for
+from .._streams.wake import wait_for, warn_if_blocking_loop
 from .._tensors.tensor import Tensor
 
 __all__ = ["CopyFuture", "CopyStatus"]
@@ -147,11 +147,15 @@ class CopyFuture:
     def wait(self, timeout: float | None = None) -> list[Tensor]:
         """Block the calling thread until done and return [`result`][aioep.CopyFuture.result].
 
+        For synchronous code: on a thread that runs an event loop, while the copy is
+        pending, it warns (``RuntimeWarning``): ``await future`` instead.
+
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the copy goes on).
             InvalidArgument: ``timeout`` is not None or a number >= 0 (inf waits forever).
         """
         timeout = check_timeout("CopyFuture.wait", timeout)
+        warn_if_blocking_loop(self, self.done)
         if not self._notification.impl.wait_on_host(timeout):
             raise TimeoutError(f"{self!r} did not complete within {timeout} s")
         try:

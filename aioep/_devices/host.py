@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._base.errors import DeviceError, InvalidArgument
+from .._base.options import parse_int_option, reject_unknown_options
 from .._base.types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 from .._interop.importer import HostMemoryImporter, MemoryImporter
 from .._memory.allocator import Allocator
@@ -89,6 +90,8 @@ _memmove = ctypes.memmove  # a C call that releases the GIL while it copies
 COPY_THREAD_NICE = 5
 """Niceness of aioep's copy worker threads (Linux): when the event loop's thread wakes up
 it gets a core at once instead of waiting for a copying thread's time slice."""
+MAX_COPY_THREADS = 1024
+"""The most ``copy_threads`` the host backend accepts."""
 
 
 def lower_thread_priority(nice: int = COPY_THREAD_NICE) -> None:
@@ -206,7 +209,8 @@ def _copy_share(share: list[_Job]) -> None:
 class HostFactory(EpFactory):
     """The built-in host CPU backend; registered under the name ``host`` in every environment.
 
-    Options: ``copy_threads`` (int >= 1, default: CPU count) for large host copies.
+    Options: ``copy_threads`` (an int in [1, 1024], or an int string; default: the CPU
+    count) for large host copies.
     """
 
     name = HOST_EP_NAME
@@ -214,19 +218,12 @@ class HostFactory(EpFactory):
     version = "0.1.0"
 
     def __init__(self, options: FactoryOptions | None = None) -> None:
-        opts = dict(options or {})
-        threads = opts.pop("copy_threads", None)
-        if opts:
-            raise InvalidArgument(f"host backend: unknown option(s) {sorted(opts)}")
-        if threads is not None:
-            try:
-                threads = int(threads)
-            except (TypeError, ValueError):
-                threads = 0
-            if threads < 1:
-                raise InvalidArgument(
-                    f"host backend: copy_threads must be an int >= 1, got {threads!r}"
-                )
+        reject_unknown_options("host backend", options, ("copy_threads",))
+        threads = (options or {}).get("copy_threads")
+        if threads is not None:  # the rules every backend's options follow (aioep.abc)
+            threads = parse_int_option(
+                "host backend", "copy_threads", threads, minimum=1, maximum=MAX_COPY_THREADS
+            )
         self._copy_threads = threads
 
     def get_supported_devices(self, hardware: Sequence[HardwareDevice]) -> list[EpDevice]:

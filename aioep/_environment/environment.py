@@ -46,6 +46,7 @@ from .._streams.stream_impl import HostNotification
 from .._tensors.ownership import Scope
 from .._tensors.tensor import Tensor
 from .registry import BACKEND_GROUP, LibraryRegistry
+from .report import CloseReport
 from .shared_allocators import SharedAllocators
 from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, Reservation, StreamLease
 
@@ -224,6 +225,7 @@ class Environment(AsyncResource):
             k: check_options("Environment", f"backend_options[{k!r}]", v) for k, v in outer.items()
         }
         self._state = _State.UNOPENED
+        self._close_report: CloseReport | None = None
         self._lock = threading.RLock()
         self._token: contextvars.Token[Environment | None] | None = None
         self.load_errors: dict[str, str] = {}
@@ -291,18 +293,19 @@ class Environment(AsyncResource):
     async def aclose(self) -> None:
         """Wait for copies in flight, then release everything in dependency order; idempotent.
 
-        Shielded from cancellation. Resources that are still alive (open streams,
-        live buffers) are reported with a `ResourceWarning`.
+        Shielded from cancellation. What was still alive (open streams and sessions,
+        which it closes, and live buffers, which stay valid until dropped) is no error and
+        no warning: it is recorded in [`close_report`][aioep.Environment.close_report].
         """
         if not self._begin_closing():
             return
         with anyio.CancelScope(shield=True):
-            await self._registry.close_sessions()
+            sessions = await self._registry.close_sessions()
             await self._copies.drain()
             await self._registry.synchronize_streams()
             # Closing streams, transfers, allocators and factories may join threads or sync
             # a device: do it off the event loop. The context variable is reset here, on it.
-            await anyio.to_thread.run_sync(self._release_everything)
+            await anyio.to_thread.run_sync(self._release_everything, sessions)
             _leave(self)
 
     def close(self) -> None:
@@ -319,16 +322,30 @@ class Environment(AsyncResource):
         self._state = _State.CLOSING
         return True
 
-    def _release_everything(self) -> None:
+    def _release_everything(self, sessions: Sequence[str] = ()) -> None:
         # Copies are awaited by now: streams, then the copy executor, then the libraries.
         self._state = _State.CLOSING
         self._scope.closed = True
         with _open_lock:
             _open.discard(self)
-        self._registry.close_streams()
+        # (the blocking close() leaves sessions open: they close asynchronously)
+        sessions = (*sessions, *map(repr, self._registry.open_sessions()))
+        streams = self._registry.close_streams()
         self._copies.shutdown()
-        self._registry.close_all()
+        buffers = self._registry.close_all()
+        self._close_report = CloseReport(tuple(streams), sessions, tuple(buffers))
         self._state = _State.CLOSED
+
+    @property
+    def close_report(self) -> CloseReport | None:
+        """What was still alive when this environment closed; None until it has closed.
+
+        Open streams and sessions (the environment closed them) and, per allocator, the
+        buffers still alive (they stay valid until dropped). None of it is a warning:
+        leaving a tensor named by a local past ``async with`` is ordinary code. The
+        pytest plugin's leak check reads this report.
+        """
+        return self._close_report
 
     @property
     def libraries(self) -> tuple[str, ...]:

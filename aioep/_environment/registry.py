@@ -33,6 +33,7 @@ from .._memory.allocator import Allocator
 from .._memory.transfer import DataTransfer
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, StreamImpl
+from .report import LiveBuffers
 from .stream_pool import PooledStream, Reservation, StreamRing
 
 if TYPE_CHECKING:
@@ -252,15 +253,13 @@ class LibraryRegistry:
         self._close_factory(lib)
 
     # -- teardown --------------------------------------------------------------------------
-    async def close_sessions(self) -> None:
-        """Close the sessions still open, each reported with a `ResourceWarning`."""
+    async def close_sessions(self) -> list[str]:
+        """Close the sessions still open; returns their reprs (for the close report)."""
+        found = []
         for session in self.open_sessions():
-            warnings.warn(
-                f"{session!r} was still open when the environment closed; closing it",
-                ResourceWarning,
-                stacklevel=3,
-            )
+            found.append(repr(session))
             await session.aclose()
+        return found
 
     async def synchronize_streams(self) -> None:
         """Wait for the work enqueued on every open stream (failures are ignored here)."""
@@ -270,33 +269,36 @@ class LibraryRegistry:
             except Exception:
                 pass
 
-    def close_streams(self) -> None:
-        """Close the pooled streams, then the streams still open, each of these reported
-        with a `ResourceWarning` (as is a pooled stream still lent)."""
+    def close_streams(self) -> list[str]:
+        """Close the pooled streams, then the streams still open; returns the reprs of
+        those still lent or open (for the close report)."""
+        found = []
         for lib in self.libraries.values():
-            self._close_pools(lib, report=True)
+            found += self._close_pools(lib, report=True)
         for stream in self.open_streams():
-            warnings.warn(
-                f"{stream!r} was still open when the environment closed; closing it",
-                ResourceWarning,
-                stacklevel=3,
-            )
+            found.append(repr(stream))
             stream.close()
+        return found
 
-    def close_all(self) -> None:
-        """Close every library's data transfer and loader, then allocators, then factories
-        (live buffers are reported; their allocators close after the last is freed)."""
+    def close_all(self) -> list[LiveBuffers]:
+        """Close every library's data transfer and loader, then allocators, then factories.
+
+        Returns the buffers still alive, per allocator (for the close report); those
+        allocators close after their last buffer is freed.
+        """
         libraries = list(reversed(self.libraries.values()))
         for lib in libraries:
             self._close_transfer_and_loader(lib)
+        live: list[LiveBuffers] = []
         for lib in libraries:
-            self._close_allocators(lib, report=True)
+            live += self._close_allocators(lib, report=True)
         self._shared.clear()
         for lib in libraries:
             self._close_factory(lib)
         self.libraries.clear()
+        return live
 
-    def _close_pools(self, lib: Library, *, report: bool) -> None:
+    def _close_pools(self, lib: Library, *, report: bool) -> list[str]:
         # A stream still being made joins its ring when made: wait for it (never the case
         # when unregistering: a stream being made keeps the library in use).
         for ring in list(lib.pools.values()):
@@ -305,15 +307,12 @@ class LibraryRegistry:
         with self._lock:
             pooled = [s for ring in lib.pools.values() for s in ring.streams]
             lib.pools.clear()
+        lent = []
         for stream in pooled:
             if report and stream.lent:
-                warnings.warn(
-                    f"{stream!r} was still lent by env.pooled_stream() when the environment "
-                    "closed; closing it",
-                    ResourceWarning,
-                    stacklevel=4,
-                )
+                lent.append(f"{stream!r} (still lent by env.pooled_stream())")
             _quietly(stream.retire, f"pooled stream {stream!r}")
+        return lent
 
     def _close_transfer_and_loader(self, lib: Library) -> None:
         if lib.transfer is not None:
@@ -326,22 +325,27 @@ class LibraryRegistry:
             lib.loader = None
 
     @staticmethod
-    def _close_allocators(lib: Library, *, report: bool) -> None:
+    def _close_allocators(lib: Library, *, report: bool) -> list[LiveBuffers]:
         if report and any(a.live_buffers for a in lib.allocators):
             # Buffers held only by reference cycles are garbage, not alive: collect them
-            # before reporting, so the warning names only what the program still holds.
+            # before reporting, so the report names only what the program still holds.
             gc.collect()
+        live = []
         for allocator in lib.allocators:
-            if allocator.live_buffers and report:
-                warnings.warn(
-                    f"{allocator!r} of library {lib.name!r} still had {allocator.live_buffers} "
-                    "live buffer(s) when the environment closed; they stay valid until dropped",
-                    ResourceWarning,
-                    stacklevel=4,
+            if report and allocator.live_buffers:
+                live.append(
+                    LiveBuffers(
+                        library=lib.name,
+                        memory=allocator.memory_info.name,
+                        count=allocator.live_buffers,
+                        nbytes=allocator.bytes_in_use,
+                        allocator=repr(allocator),
+                    )
                 )
             _quietly(allocator.retire, f"allocator {allocator.memory_info.name!r}")
         lib.retired = [a for a in lib.allocators if not a.closed]
         lib.allocators.clear()
+        return live
 
     @staticmethod
     def _close_factory(lib: Library) -> None:

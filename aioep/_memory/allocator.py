@@ -144,6 +144,11 @@ class Allocator(abc.ABC):
         return self._live_buffers
 
     @property
+    def bytes_in_use(self) -> int:
+        """The bytes that the live buffers asked for."""
+        return self._bytes_in_use
+
+    @property
     def closed(self) -> bool:
         """True after [`close`][aioep.Allocator.close]."""
         return self._closed

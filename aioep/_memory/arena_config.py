@@ -10,6 +10,7 @@ from typing import Any
 
 from .._base.errors import InvalidArgument
 from .._base.options import parse_int_option
+from .._base.validate import short_repr
 
 __all__ = ["SIZE_MAX", "ArenaConfig", "ArenaExtendStrategy"]
 
@@ -117,15 +118,16 @@ class ArenaConfig:
             )
         values: dict[str, Any] = {}
         for key, raw in options.items():
+            shown = f"{short_repr(key)}={short_repr(raw)}"  # never a whole 4,000-digit value
             if key in _CUDA_MEMPOOL_KEYS:
                 raise InvalidArgument(
-                    f"arena option {key!r}={raw!r}: CUDA mempool options are not supported by "
+                    f"arena option {shown}: CUDA mempool options are not supported by "
                     "aioep's arena (use the CUDA backend's allocator options instead)"
                 )
             spec = _KEYS.get(key) if isinstance(key, str) else None
             if spec is None:
                 raise InvalidArgument(
-                    f"Invalid arena option {key!r}={raw!r}; known keys are {sorted(_KEYS)}"
+                    f"Invalid arena option {shown}; known keys are {sorted(_KEYS)}"
                 )
             name, (lo, hi), unsigned = spec
             if name == "extend_strategy" and isinstance(raw, str) and raw in _STRATEGY_NAMES:
@@ -136,23 +138,19 @@ class ArenaConfig:
                 continue  # the default, as in ORT
             if not lo <= value <= hi:
                 raise InvalidArgument(
-                    f"arena option {key!r}={raw!r}: out of range for its type [{lo}, {hi}]"
+                    f"arena option {shown}: out of range for its type [{lo}, {hi}]"
                 )
             if name == "extend_strategy":
                 if value not in (0, 1):
                     raise InvalidArgument(
-                        f"arena option {key!r}={raw!r}: must be -1 or 0 (next_power_of_two) "
+                        f"arena option {shown}: must be -1 or 0 (next_power_of_two) "
                         "or 1 (same_as_requested)"
                     )
                 values[name] = ArenaExtendStrategy(value)
             elif value < 0:
-                raise InvalidArgument(
-                    f"arena option {key!r}={raw!r}: must be -1 (the default) or >= 0"
-                )
+                raise InvalidArgument(f"arena option {shown}: must be -1 (the default) or >= 0")
             elif value == 0 and name != "max_dead_bytes_per_chunk" and name != "max_mem":
-                raise InvalidArgument(
-                    f"arena option {key!r}={raw!r}: must be -1 (the default) or > 0"
-                )
+                raise InvalidArgument(f"arena option {shown}: must be -1 (the default) or > 0")
             else:
                 values[name] = value
         return cls(**values)
@@ -165,5 +163,5 @@ def _parse_int(key: str, raw: Any, unsigned: bool) -> int:
     # (an int, not a bool or a float) and convert. The C-type range is checked by the caller.
     syntax = _UNSIGNED if unsigned else _SIGNED
     if isinstance(raw, str) and raw != "-1" and not syntax.fullmatch(raw):
-        raise InvalidArgument(f"Failed to parse value for {key!r} from {raw!r}")
+        raise InvalidArgument(f"Failed to parse value for {key!r} from {short_repr(raw)}")
     return parse_int_option("arena", key, raw)

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._streams.notification import wait_blocking
 from .arena_config import ArenaConfig, ArenaExtendStrategy
 from .bfc import Region
 
@@ -136,7 +137,7 @@ class RegionReturns:
                     pending.append((region, mark))
             self.polled += pending
         for region, mark in pending if wait else ():
-            mark.wait()
+            wait_blocking(mark)  # blocking on purpose (closing): no event-loop warning
             with self.lock:
                 if (region, mark) in self.polled:  # another thread may have taken it
                     self.polled.remove((region, mark))

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
 from .stream_impl import NotificationImpl, StreamImpl
-from .wake import wait_for
+from .wake import wait_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
     from .stream import SyncStream
 
-__all__ = ["Notification"]
+__all__ = ["Notification", "device_error", "wait_blocking"]
 
 
 class Notification:
@@ -89,15 +89,17 @@ class Notification:
     def wait(self, timeout: float | None = None) -> None:
         """Block the calling thread until done.
 
+        For synchronous code: on a thread that runs an event loop, while the work is
+        pending, it warns (``RuntimeWarning``): ``await notification`` instead.
+
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
             DeviceError: the work before this point failed.
             InvalidArgument: ``timeout`` is not None or a number >= 0 (inf waits forever).
         """
         timeout = check_timeout("Notification.wait", timeout)
-        if not self._impl.wait_on_host(timeout):
-            raise TimeoutError(f"{self!r} not reached within {timeout} s")
-        self._raise_if_failed()
+        warn_if_blocking_loop(self, self._impl.query)
+        wait_blocking(self, timeout)
 
     async def _wait_async(self) -> None:
         await wait_for(self._impl.add_done_callback, self._impl.query)
@@ -114,6 +116,17 @@ class Notification:
     def __repr__(self) -> str:
         where = f" on {self._stream!r}" if self._stream is not None else ""
         return f"<Notification {'done' if self.done() else 'pending'}{where}>"
+
+
+def wait_blocking(notification: Notification, timeout: float | None = None) -> None:
+    """`Notification.wait` without its event-loop warning, for aioep's own synchronous
+    paths that block on purpose (a blocking close, a DLPack export of host memory).
+
+    ``timeout`` is already checked (None, or seconds >= 0).
+    """
+    if not notification.impl.wait_on_host(timeout):
+        raise TimeoutError(f"{notification!r} not reached within {timeout} s")
+    notification._raise_if_failed()
 
 
 def device_error(err: BaseException, what: str) -> DeviceError:

@@ -10,7 +10,7 @@ import anyio
 from anyio.abc import AsyncResource
 
 from .._base.errors import ClosedError, InvalidArgument, NotImplementedByEp
-from .notification import Notification
+from .notification import Notification, wait_blocking
 from .routes import RouteCache
 from .stream_impl import StreamImpl
 
@@ -182,7 +182,7 @@ class SyncStream(AsyncResource):
         if self._closed:
             return
         try:
-            self.record().wait()
+            wait_blocking(self.record())  # blocking on purpose: no event-loop warning
         except Exception:
             pass
         self._release()

@@ -419,8 +419,12 @@ class Tensor:
         if self.is_host_accessible:
             work = self.buffer.pending_work
             if work is not None and stream != -1:
-                # Host memory has no stream to order: the data must be ready now.
-                work.wait()
+                # Host memory has no stream to order: the data must be ready now (a wait
+                # on purpose, which DLPack's synchronous protocol asks for: no loop warning).
+                work.impl.wait_on_host(None)
+                error = work.exception()
+                if error is not None:
+                    raise error
             if self.dtype.hasobject:
                 raise BufferError(f"{self!r} holds Python objects, which DLPack cannot export")
             # numpy builds the capsule (its destructor and deleter are C); the array's base

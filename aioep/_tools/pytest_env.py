@@ -70,27 +70,26 @@ def quiet_backend_failures() -> Iterator[None]:
 
 
 @contextmanager
-def leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Report what the environment found still alive while it closed (its ResourceWarnings).
+def leak_check(request: pytest.FixtureRequest, env: Environment) -> Iterator[None]:
+    """Fail the test for what ``env`` found still alive when it closed (its close report).
 
-    The warnings are caught (``warnings.catch_warnings`` also covers the worker thread
-    that releases the environment), so the close always runs to the end, even under
-    ``-W error``; other warnings are re-emitted as they were.
+    Warnings raised while it closes (a backend whose close failed) are caught, so the close
+    always runs to the end, even under ``-W error`` (``warnings.catch_warnings`` also covers
+    the worker thread that releases the environment), then re-emitted as they were.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
-    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
     for w in caught:
-        if w not in leaks:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-    if not leaks or request.node.stash.get(CALL_FAILED, False):
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    report = env.close_report
+    if report is None or report.clean or request.node.stash.get(CALL_FAILED, False):
         return  # a failed test's traceback holds its locals: that is not a leak
     if ini(request.config, "aioep_leaks", "error") == "warn":
-        for w in leaks:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        for line in report.lines():
+            warnings.warn(f"{request.node.nodeid}: {line}", ResourceWarning, stacklevel=1)
         return
-    found = "\n".join(f"  - {w.message}" for w in leaks)
+    found = "\n".join(f"  - {line}" for line in report.lines())
     pytest.fail(
         f"{request.node.nodeid} left aioep resources alive past its environment (aioep_env):\n"
         f"{found}\nclose streams and sessions and drop tensors before the test ends "
@@ -114,5 +113,5 @@ async def environment_for(request: pytest.FixtureRequest) -> AsyncIterator[Envir
         check_backends(env, names)
         yield env
     finally:
-        with leak_check(request):
+        with leak_check(request, env):
             await env.aclose()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import aioep
+from aioep._base.validate import check_timeout
+from aioep._devices.host import HostFactory
 from aioep.abc import (
     parse_bool_option,
     parse_choice_option,
@@ -272,3 +278,189 @@ def test_backend_messages_name_the_owner() -> None:
     for parse in (SimOptions.from_options, CudaOptions.from_options, OrtOptions.from_options):
         with pytest.raises(aioep.InvalidArgument, match=r"unknown option\(s\) \['bogus'\]"):
             parse({"bogus": 1})
+
+
+# -- any value in: a parsed value or InvalidArgument, with a bounded message ------------------
+
+HUGE_DIGITS = "9" * 5000  # over Python's 4,300-digit limit for int <-> str conversion
+PARSERS = {
+    "int": lambda v: parse_int_option(OWNER, "k", v, minimum=0, maximum=1 << 40),
+    "unbounded int": lambda v: parse_int_option(OWNER, "k", v),
+    "float": lambda v: parse_float_option(OWNER, "k", v, minimum=0, maximum=1e6),
+    "unbounded float": lambda v: parse_float_option(OWNER, "k", v),
+    "bool": lambda v: parse_bool_option(OWNER, "k", v),
+    "choice": lambda v: parse_choice_option(OWNER, "k", v, ("a", "b")),
+}
+
+
+def _parses_or_refuses(parse: Any, value: Any) -> None:
+    try:
+        parse(value)
+    except aioep.InvalidArgument as exc:
+        message = str(exc)
+        assert message.startswith("test backend option 'k' must be")
+        assert len(message) < 300, message  # never the whole value
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+@pytest.mark.parametrize(
+    "value",
+    [
+        HUGE_DIGITS,
+        f"  -{HUGE_DIGITS}  ",
+        "1" * 20_000 + "x",  # the old float pattern backtracked for a minute on this
+        HUGE_DIGITS + ".5",
+        "1e" + HUGE_DIGITS,
+        "x" * 100_000,
+    ],
+    ids=lambda v: f"{len(v)}-chars",
+)
+def test_strings_past_the_int_string_limit_are_refused_briefly(parser: str, value: str) -> None:
+    with pytest.raises(aioep.InvalidArgument) as info:
+        PARSERS[parser](value)
+    message = str(info.value)
+    assert len(message) < 300, message
+    assert message.startswith("test backend option 'k' must be")
+    assert f"({len(value)} characters)" in message  # a truncated rendering, and its size
+
+
+@pytest.mark.parametrize(
+    "value", [10**5000, -(10**400), Fraction(10**400, 3)], ids=["10**5000", "-10**400", "frac"]
+)
+def test_huge_numbers_are_refused_briefly_where_out_of_range(value: Any) -> None:
+    for name in ("int", "float", "bool", "choice"):
+        with pytest.raises(aioep.InvalidArgument) as info:
+            PARSERS[name](value)
+        assert len(str(info.value)) < 300
+    for name in ("unbounded int", "unbounded float"):
+        _parses_or_refuses(PARSERS[name], value)  # an int is an int, however large
+
+
+def test_the_int_limit_is_named_and_hex_has_none() -> None:
+    with pytest.raises(aioep.InvalidArgument, match=r"\(5000 characters\) \(too many digits\)$"):
+        parse_int_option(OWNER, "k", HUGE_DIGITS)
+    with pytest.raises(aioep.InvalidArgument, match=r"got <an int of about 5001 digits>$"):
+        parse_int_option(OWNER, "k", 10**5000, maximum=10)
+    with pytest.raises(aioep.InvalidArgument, match=r"\(5001 characters\) \(too many digits\)$"):
+        parse_int_option(OWNER, "k", "0" * 5000 + "1")  # Python counts the zeros too
+    assert parse_float_option(OWNER, "k", "0" * 5000 + "1") == 1.0
+    # Python converts power-of-two bases without a limit: a huge hex string is just a number.
+    assert parse_int_option(OWNER, "k", "0x" + "f" * 5000) == 16**5000 - 1
+    assert parse_float_option(OWNER, "k", "0." + "0" * 5000 + "1") == 0.0
+
+
+@given(st.text())
+def test_any_string_parses_or_is_invalid_argument(text: str) -> None:
+    for parse in PARSERS.values():
+        _parses_or_refuses(parse, text)
+
+
+@given(
+    st.one_of(
+        st.integers(),
+        st.integers(min_value=-(10**6000), max_value=10**6000),
+        st.floats(),
+        st.fractions(),
+        st.booleans(),
+        st.none(),
+        st.binary(max_size=8),
+    )
+)
+def test_any_value_parses_or_is_invalid_argument(value: Any) -> None:
+    for parse in PARSERS.values():
+        _parses_or_refuses(parse, value)
+
+
+def test_long_unknown_keys_are_cut() -> None:
+    with pytest.raises(aioep.InvalidArgument) as info:
+        reject_unknown_options(OWNER, {"k" * 5000: 1}, ("a",))
+    assert "(5000 characters)" in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+@given(
+    st.sampled_from(["arena.max_mem", "arena.extend_strategy", "arena.initial_chunk_size_bytes"]),
+    st.one_of(st.text(), st.integers(min_value=-(10**6000), max_value=10**6000), st.floats()),
+)
+def test_arena_options_parse_or_are_invalid_argument(key: str, value: Any) -> None:
+    try:
+        aioep.ArenaConfig.from_options({key: value})
+    except aioep.InvalidArgument as exc:
+        message = str(exc)
+        assert len(message) < 300
+
+
+@pytest.mark.parametrize("value", [10**5000, HUGE_DIGITS, "9" * 4000], ids=["int", "5000", "4000"])
+def test_arena_options_past_the_limit_are_refused_briefly(value: Any) -> None:
+    with pytest.raises(aioep.InvalidArgument, match=r"'arena\.max_mem'") as info:
+        aioep.ArenaConfig.from_options({"arena.max_mem": value})
+    assert len(str(info.value)) < 300
+
+
+# -- every backend: counts are whole ints, reported as given -----------------------------------
+
+
+@pytest.mark.parametrize("value", [2.7, "2.7", "x", True, HUGE_DIGITS])
+def test_every_backend_refuses_a_count_that_is_not_a_whole_int(value: Any) -> None:
+    """No backend truncates ``2.7`` or reports ``"x"`` as something else: each says what
+    it was given (the host backend's copy_threads took 2.7 as 2 and called "x" 0)."""
+    shown = repr(value) if len(repr(value)) < 60 else "(5000 characters)"
+    for parse, owner, key in (
+        (lambda v: HostFactory({"copy_threads": v}), "host backend", "copy_threads"),
+        (lambda v: SimOptions.from_options({"num_devices": v}), "sim backend", "num_devices"),
+        (
+            lambda v: CudaOptions.from_options({"staging_chunks": v}),
+            "cuda backend",
+            "staging_chunks",
+        ),
+        (lambda v: OrtOptions.from_options({"chunk_bytes": v}), "ort backend", "chunk_bytes"),
+    ):
+        with pytest.raises(aioep.InvalidArgument) as info:
+            parse(value)
+        message = str(info.value)
+        assert message.startswith(f"{owner} option {key!r} must be an integer"), message
+        assert shown in message
+        assert len(message) < 300
+
+
+def test_host_copy_threads() -> None:
+    assert HostFactory({"copy_threads": "4"}).create_data_transfer()._workers == 4
+    assert HostFactory({"copy_threads": 1024}).create_data_transfer()._workers == 1024
+    for bad in (0, -1, 1025, 10**5000):
+        with pytest.raises(aioep.InvalidArgument, match=r"'copy_threads' must be an integer in"):
+            HostFactory({"copy_threads": bad})
+    with pytest.raises(aioep.InvalidArgument, match=r"unknown option\(s\) \['speed'\]"):
+        HostFactory({"speed": 1})
+
+
+# -- timeouts of blocking waits ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("timeout", "expected"),
+    [
+        (None, None),
+        (0, 0.0),
+        (2.5, 2.5),
+        (np.float32(0.5), 0.5),
+        (threading.TIMEOUT_MAX, threading.TIMEOUT_MAX),
+        (float("inf"), None),
+        (1e300, None),  # threading refuses it (OverflowError): it means "as long as it takes"
+        (10**400, None),  # an int beyond a float's range
+        (Fraction(10**400, 3), None),
+        (threading.TIMEOUT_MAX * 2, None),
+    ],
+    ids=lambda v: repr(v)[:24],
+)
+def test_timeout_values(timeout: Any, expected: float | None) -> None:
+    assert check_timeout("wait", timeout) == expected
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [-1, -1e-9, float("nan"), float("-inf"), -(10**400), "1", True, 1j],
+    ids=lambda v: repr(v)[:24],
+)
+def test_timeout_refusals(timeout: Any) -> None:
+    with pytest.raises(aioep.InvalidArgument, match=r"^wait: timeout must be"):
+        check_timeout("wait", timeout)

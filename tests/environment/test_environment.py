@@ -392,9 +392,13 @@ async def test_teardown_order_streams_transfers_allocators_factories() -> None:
         assert EVENTS == [("allocator", "a")]  # the replaced default closed at once (no buffers)
         EVENTS.clear()
         stream = env.create_sync_stream(a)
-        with pytest.warns(ResourceWarning, match="still open"):
-            await env.aclose()
+        was = repr(stream)
+        await env.aclose()
     assert stream.closed
+    # No warning (filterwarnings = error): the stream it closed is in the close report.
+    assert env.close_report is not None
+    assert env.close_report.streams == (was,)
+    assert f"{was} was still open" in str(env.close_report)
     kinds = [k for k, _ in EVENTS]
     # All streams, then all transfers, then all allocators, then all factories.
     assert kinds == sorted(kinds, key=["stream", "transfer", "allocator", "factory"].index)
@@ -406,11 +410,17 @@ async def test_teardown_order_streams_transfers_allocators_factories() -> None:
     assert [n for k, n in EVENTS if k == "factory"] == ["b", "a"]
 
 
-async def test_live_buffer_at_exit_warns_and_factory_outlives_it() -> None:
-    with pytest.warns(ResourceWarning, match=r"1 live buffer\(s\)"):  # noqa: PT031
-        async with aioep.Environment(autoload=False) as env:
-            (dev,) = env.register_library("a", FakeGpuFactory, {"tag": "a"})
-            t = env.empty(16, "uint8", dev.memory_info())
+async def test_live_buffer_at_exit_is_reported_and_factory_outlives_it() -> None:
+    async with aioep.Environment(autoload=False) as env:
+        (dev,) = env.register_library("a", FakeGpuFactory, {"tag": "a"})
+        t = env.empty(16, "uint8", dev.memory_info())
+    report = env.close_report
+    assert report is not None
+    assert not report.clean
+    assert report.live_buffers == 1
+    (live,) = report.buffers
+    assert (live.library, live.memory, live.count, live.nbytes) == ("a", "FakeGpu", 1, 16)
+    assert "1 live buffer(s) (16 bytes)" in str(report)
     # The buffer stays valid; its allocator and then the factory close when it goes.
     assert ("factory", "a") not in EVENTS
     assert not t.buffer.freed
@@ -419,6 +429,50 @@ async def test_live_buffer_at_exit_warns_and_factory_outlives_it() -> None:
     gc.collect()
     assert ref() is None
     assert EVENTS[-2:] == [("allocator", "a"), ("factory", "a")]
+
+
+async def test_a_tensor_alive_past_async_with_is_no_warning_and_stays_readable() -> None:
+    """Ordinary scoping (the quickstart's shape): tensors still named by locals when
+    ``async with`` ends. No warning (the suite's filterwarnings = error turns one into a
+    failure, raised out of the close), the memory stays readable until dropped, and the
+    close report counts it."""
+    pytest.importorskip("aioep_sim")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # also in the worker thread that releases the libraries
+        async with aioep.Environment(backends=["sim"]) as env:
+            (dev,) = env.ep_devices(ep_name="SimExecutionProvider")[:1]
+            on_device = env.empty(8, "float32", dev.memory_info(aioep.MemoryType.DEFAULT))
+            pinned = env.empty(8, "float32", dev.memory_info(aioep.MemoryType.HOST_ACCESSIBLE))
+            host = env.empty(8, "float32")
+            await env.copy_tensors([np.arange(8, dtype=np.float32)], [on_device])
+            await env.copy_tensors([on_device, on_device], [pinned, host])
+    assert env.state == "closed"
+    assert pinned.numpy().tolist() == list(range(8))
+    assert host.numpy().tolist() == list(range(8))
+    assert not on_device.buffer.freed
+    report = env.close_report
+    assert report is not None
+    assert report.live_buffers == 3
+    assert sorted((b.library, b.count, b.nbytes) for b in report.buffers) == [
+        ("host", 1, 32),
+        ("sim", 1, 32),
+        ("sim", 1, 32),
+    ]
+    assert not report.streams
+    assert not report.sessions
+    del on_device, pinned, host
+
+
+async def test_a_clean_close_has_a_clean_report() -> None:
+    env = aioep.Environment(autoload=False)
+    assert env.close_report is None
+    async with env:
+        t = env.empty(4, "float32")
+        del t
+        assert env.close_report is None
+    assert env.close_report == aioep.CloseReport()
+    assert env.close_report.clean
+    assert str(env.close_report) == "nothing was left alive"
 
 
 async def test_aclose_waits_for_copies_in_flight() -> None:
@@ -434,8 +488,9 @@ async def test_aclose_waits_for_copies_in_flight() -> None:
         import threading
 
         threading.Timer(0.05, gate.set).start()
-        with pytest.warns(ResourceWarning, match="still open"):
-            await env.aclose()
+        await env.aclose()
+        assert env.close_report is not None
+        assert len(env.close_report.streams) == 1
         assert fut.done()
         np.testing.assert_array_equal(dst, src)
         assert env_stream.closed

@@ -1,5 +1,6 @@
-"""The runnable examples: quickstart and pipeline as scripts, the serving app in-process
-(httpx + ASGITransport, lifespan run by asgi-lifespan) and under a real uvicorn server."""
+"""The runnable examples: quickstart, pipeline and external data as scripts, the serving app
+in-process (httpx + ASGITransport, lifespan run by asgi-lifespan) and under a real uvicorn
+server. Every script and the server run with ``python -W error``: correct code gets no warning."""
 
 from __future__ import annotations
 
@@ -33,13 +34,20 @@ pytestmark = pytest.mark.anyio
 
 
 def _run_script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``python -W error *args`` from the repository root."""
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-W", "error", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 @needs_sim
 def test_quickstart_round_trip_is_bit_exact() -> None:
+    # Under -W error: its device tensor, still named by a local when `async with` ends,
+    # is ordinary scoping, not a warning.
     proc = _run_script("examples/quickstart.py")
     assert proc.returncode == 0, proc.stderr
     assert "SimExecutionProvider" in proc.stdout
@@ -53,6 +61,16 @@ def test_quickstart_round_trip_is_bit_exact() -> None:
     assert all(ids), devices
     sim = [m.group(1) for m, line in zip(ids, devices) if m and "SimExecutionProvider" in line]
     assert sim == sorted(set(sim), key=int), devices
+    assert "Warning" not in proc.stderr
+
+
+@needs_sim
+def test_external_data_loads_the_weights_onto_the_device() -> None:
+    pytest.importorskip("onnx")
+    proc = _run_script("examples/external_data.py")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("embed", "proj", "bias"):
+        assert re.search(rf"^{name} +<Tensor .* on 'Sim'> matches: True$", proc.stdout, re.M)
 
 
 @needs_sim
@@ -266,6 +284,8 @@ def uvicorn_server() -> Iterator[tuple[str, list[str], subprocess.Popen[str]]]:
     proc = subprocess.Popen(
         [
             sys.executable,
+            "-W",
+            "error",
             "-m",
             "uvicorn",
             "--app-dir",

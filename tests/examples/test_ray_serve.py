@@ -1,5 +1,6 @@
 """examples/ray_serve_app.py on a local Ray instance: 2 replicas behind Ray's HTTP proxy, 100
-requests over httpx, every output checked against onnxruntime, then a clean shutdown.
+requests over httpx, every output checked against onnxruntime, then a clean shutdown, with
+warnings as errors (deprecations aside) in the driver and the replicas.
 
 It skips unless ``ray[serve]`` is installed (``pip install -e ".[ray]"``), which the README's
 test command does not install; CI installs it and runs ``pytest -m ray`` once, on the newest
@@ -33,6 +34,7 @@ EXAMPLE = ROOT / "examples" / "ray_serve_app.py"
 STARTUP_S = 150  # Ray, Serve's controller and proxy, 2 replicas each opening an environment
 SHUTDOWN_S = 60
 REQUESTS = 100
+STRICT_WARNINGS = "error,ignore::DeprecationWarning,ignore::PendingDeprecationWarning"
 
 
 def _missing() -> str | None:
@@ -87,6 +89,11 @@ class _Server:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            # Warnings are errors in the driver and in every Ray process it starts (the
+            # replicas that run aioep inherit the variable), less deprecations, which Ray's
+            # own imports raise (pydantic's, under Ray 2.60): python -W error, as far as Ray
+            # allows.
+            env={**os.environ, "PYTHONWARNINGS": STRICT_WARNINGS},
             start_new_session=True,  # Ray's processes join this group: killpg reaches all
         )
         self._reader = threading.Thread(target=self._read, daemon=True)

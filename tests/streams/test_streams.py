@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -416,6 +417,112 @@ async def test_sync_wait_with_timeout_from_a_plain_thread(make_env: MakeEnv) -> 
         assert results["tensors"][0] is buf
         assert fut.status is aioep.CopyStatus.DONE
         assert fut.result() == [buf]
+
+
+async def test_blocking_wait_on_the_loop_thread_warns_only_while_pending(
+    make_env: MakeEnv, anyio_backend: str
+) -> None:
+    """``Notification.wait()`` on the thread that runs the event loop (asyncio or trio)
+    stalls the loop: a RuntimeWarning says to await instead, while the work is pending."""
+    env = await make_env()
+    async with env.create_sync_stream(sim_device(env)) as s:
+        g, impl = gate()
+        s.wait(g)
+        n = s.record()
+        try:
+            with (
+                pytest.warns(
+                    RuntimeWarning, match=r"Notification .*wait\(\) blocks the event loop"
+                ),
+                pytest.raises(TimeoutError),
+            ):
+                n.wait(0.001)
+            # A gate notification of no stream, too.
+            with (
+                pytest.warns(RuntimeWarning, match="use 'await' on it instead"),
+                pytest.raises(TimeoutError),
+            ):
+                g.wait(0)
+            # The same wait on a worker thread is the right tool: no warning (filterwarnings =
+            # error would raise it there).
+            with pytest.raises(TimeoutError):
+                await anyio.to_thread.run_sync(n.wait, 0.001)
+        finally:
+            impl.set()  # (or the stream's close waits for the gate forever)
+        await n
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            n.wait()  # done: nothing blocks, so no warning
+            g.wait(0)
+
+
+async def test_huge_finite_timeouts_wait_as_long_as_it_takes(make_env: MakeEnv) -> None:
+    """``wait(timeout=1e300)`` (or an int past a float's range) on pending work waits like
+    ``timeout=None``: threading would refuse it with an OverflowError."""
+    env = await make_env()
+    dev = sim_device(env)
+    buf = device_empty(env, dev, 8)
+    async with env.create_sync_stream(dev) as s:
+        for timeout in (1e300, 10**400, threading.TIMEOUT_MAX * 2):
+            g, impl = gate()
+            s.wait(g)
+            fut = aioep.copy_tensors([np.arange(8, dtype=np.int64)], [buf], stream=s)
+            n = s.record()
+            threading.Timer(0.02, impl.set).start()
+            # On a worker thread (the place for a blocking wait), while the gate is shut.
+            await anyio.to_thread.run_sync(n.wait, timeout)
+            assert n.done()
+            assert (await anyio.to_thread.run_sync(fut.wait, timeout)) == [buf]
+            g, impl = gate()
+            s.wait(g)
+            fut = aioep.copy_tensors([np.arange(8, dtype=np.int64)], [buf], stream=s)
+            threading.Timer(0.02, impl.set).start()
+            assert (await anyio.to_thread.run_sync(fut.wait, timeout)) == [buf]
+        for bad in (-1, float("nan"), -(10**400)):
+            with pytest.raises(aioep.InvalidArgument, match="timeout must be >= 0"):
+                n.wait(bad)
+            with pytest.raises(aioep.InvalidArgument, match="timeout must be >= 0"):
+                fut.wait(bad)
+
+
+async def test_aioeps_own_blocking_paths_do_not_warn_on_the_loop_thread(
+    anyio_backend: str,
+) -> None:
+    """``SyncStream.close()`` and ``Environment.close()`` block on purpose (they are the
+    synchronous forms): called on the loop's thread with work pending (behind a gate that a
+    timer opens), they wait without the warning, and without skipping the wait."""
+    from aioep_sim import SimFactory
+
+    env = aioep.Environment(autoload=False).open()
+    try:
+        (dev,) = env.register_library("sim", SimFactory)[:1]
+        buf = device_empty(env, dev, 8)
+        s = dev.create_sync_stream()
+        g, impl = gate()
+        s.wait(g)
+        fut = aioep.copy_tensors([np.arange(8, dtype=np.int64)], [buf], stream=s)
+        threading.Timer(0.05, impl.set).start()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s.close()  # waits for the gate, then the copy
+        assert [str(w.message) for w in caught] == []
+        assert fut.done()
+        assert s.closed
+
+        s = dev.create_sync_stream()
+        g, impl = gate()
+        s.wait(g)
+        fut = aioep.copy_tensors([np.arange(8, dtype=np.int64)], [buf], stream=s)
+        threading.Timer(0.05, impl.set).start()
+    finally:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            env.close()  # waits for the copy in flight, then closes the stream
+    assert [str(w.message) for w in caught] == []
+    assert fut.done()
+    assert fut.exception() is None
+    assert s.closed
+    del buf
 
 
 async def test_aclose_waits_for_work_enqueued_meanwhile_before_releasing(make_env: MakeEnv) -> None:

@@ -380,7 +380,7 @@ def _run_project(
         [
             "*ERROR at teardown of test_leaks_a_tensor*",
             "*test_leaks_a_tensor* left aioep resources alive past its environment (aioep_env):",
-            "*1 live buffer(s) when the environment closed*",
+            "*1 live buffer(s) (16 bytes) when the environment closed*",
         ]
     )
     result.stdout.fnmatch_lines(["*SETUP    F _aioep_env_sync*"])
@@ -471,6 +471,52 @@ def test_a_failed_test_is_not_also_reported_as_a_leak(pytester: pytest.Pytester)
     result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     assert "left aioep resources alive" not in result.stdout.str()
+
+
+LEAKS_OF_EACH_KIND = """
+import numpy as np
+import pytest
+
+kept = []
+
+@pytest.mark.anyio
+@pytest.mark.aioep_backends()
+async def test_leaves_a_stream_open(aioep_env):
+    (host,) = aioep_env.ep_devices()
+    kept.append(aioep_env.create_sync_stream(host))
+
+@pytest.mark.aioep_backends()
+def test_sync_keeps_a_tensor(aioep_env):
+    kept.append(aioep_env.empty((8,), np.uint8))
+
+@pytest.mark.anyio
+@pytest.mark.aioep_backends()
+async def test_tensor_in_a_local_is_no_leak(aioep_env):
+    x = aioep_env.empty((8,), np.uint8)
+    x.numpy()[:] = 1
+"""
+
+
+def test_the_leak_check_reads_the_close_report(pytester: pytest.Pytester) -> None:
+    # Leaks fail the test's teardown, under -W error, without any warning: the environment
+    # records them in env.close_report, which the plugin reads. A tensor in a local dies with
+    # the test's frame: no leak.
+    pytester.makeconftest(ANYIO_ON_ASYNCIO)
+    pytester.makepyfile(LEAKS_OF_EACH_KIND)
+    result = pytester.runpytest(*ANYIO_ONLY, "--aioep", "-p", "no:cacheprovider", "-W", "error")
+    result.assert_outcomes(passed=3, errors=2, warnings=0)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_leaves_a_stream_open*",
+            "*  - <SyncStream host:* open> was still open when the environment closed",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_sync_keeps_a_tensor*",
+            "*  - <HostAllocator 'Cpu' live=1> of library 'host' still had 1 live buffer(s) (8 *",
+        ]
+    )
 
 
 def test_leaks_can_be_warnings(pytester: pytest.Pytester) -> None:

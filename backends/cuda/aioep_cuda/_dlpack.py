@@ -99,7 +99,13 @@ def _order_consumer(tensor: Tensor, stream: Any) -> None:
                 "cuStreamWaitEvent (DLPack consumer stream, pending copy)",
             )
     else:
-        work.wait()  # a copy that no CUDA event marks (run on a worker thread): finish it
+        # A copy that no CUDA event marks (run on a worker thread): finish it. A blocking
+        # wait on purpose (DLPack's protocol is synchronous), so not work.wait(), which warns
+        # on an event loop's thread.
+        work.impl.wait_on_host(None)
+        error = work.exception()
+        if error is not None:
+            raise error
 
 
 def live_exports() -> int:
