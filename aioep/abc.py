@@ -12,6 +12,9 @@ A backend is an :class:`EpFactory` subclass registered in the entry-point group
 a ready notification completed by host code; :class:`HostAllocator` is a ready
 allocator of aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an
 :class:`ExternalDataLoader` (:class:`ChunkedExternalDataLoader` is the built-in one).
+A data transfer whose copies are plain host memcpys says so
+(``DataTransfer.can_copy_inline``): the core then runs small ones inline on the event loop
+while an :class:`InlineBudget` (the environment's) measures them within budget.
 Its options are parsed with :func:`parse_int_option`, :func:`parse_float_option`,
 :func:`parse_bool_option`, :func:`parse_choice_option` and
 :func:`reject_unknown_options`, so every backend reads a value the same way.
@@ -31,6 +34,8 @@ libraries' tensors (DLPack, CUDA Array Interface) on the backend's devices.
 
 import typing
 
+from ._base.budget import DEFAULT_INLINE_BUDGET_US as DEFAULT_INLINE_BUDGET_US
+from ._base.budget import InlineBudget as InlineBudget
 from ._base.options import parse_bool_option as parse_bool_option
 from ._base.options import parse_choice_option as parse_choice_option
 from ._base.options import parse_float_option as parse_float_option
@@ -75,6 +80,7 @@ receives it."""
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_INLINE_BUDGET_US",
     "HOST_MEMORY_INFO",
     "Allocator",
     "ChunkedExternalDataLoader",
@@ -93,6 +99,7 @@ __all__ = [
     "HostNotification",
     "IndexedSubGraph",
     "Initializer",
+    "InlineBudget",
     "MemoryImporter",
     "MetaDef",
     "Node",

@@ -105,7 +105,8 @@ def lower_thread_priority(nice: int = COPY_THREAD_NICE) -> None:
 class HostDataTransfer(DataTransfer):
     """Copies between any host-accessible memories (host RAM, pinned memory of any backend).
 
-    Small batches are copied inline. Large ones are split into one contiguous
+    Small batches are copied inline on the caller (the core decides, within its inline
+    budget: see :meth:`can_copy_inline`). Large ones are split into one contiguous
     share per worker thread (the calling thread copies the first share), each
     copied with as few ``memmove`` calls as possible: memmove releases the GIL,
     and one long call per thread keeps the C library on its fastest path for
@@ -113,7 +114,6 @@ class HostDataTransfer(DataTransfer):
     chunks would fall below).
     """
 
-    max_inline_bytes = 256 * 1024
     parallel_threshold = 4 * 1024 * 1024
     """A batch this large or larger is split across threads (each share at least this big)."""
 
@@ -129,16 +129,18 @@ class HostDataTransfer(DataTransfer):
     def can_use_stream(self, stream: StreamImpl) -> bool:
         return isinstance(stream, ThreadStream)
 
+    def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
+        """True unless the batch is big enough to be split across threads (which waits
+        for them): every other batch is a memmove on the calling thread."""
+        return sum(s._nbytes for s, _ in pairs) < 2 * self.parallel_threshold
+
     def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
         jobs = [(d.data_ptr, s.data_ptr, s.nbytes) for s, d in pairs if s.nbytes]
         if stream is None:
             self._copy(jobs)
         else:
             assert isinstance(stream, ThreadStream)
-            # A small batch on an idle stream is copied right here: the stream's order is
-            # kept (nothing is ahead of it) and the hop to the worker thread is saved.
-            small = sum(n for _, _, n in jobs) <= self.max_inline_bytes
-            stream.enqueue(lambda: self._copy(jobs), inline=small)
+            stream.enqueue(lambda: self._copy(jobs))
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
         total = sum(n for _, _, n in jobs)

@@ -1,29 +1,112 @@
 """The one event-loop-specific piece: wake a waiting task from any thread.
 
-A backend signals completion from its own thread (a stream worker, a driver
-callback). :func:`wait_for` registers a thread-safe callback that schedules the
-waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on
-asyncio, the run's ``TrioToken`` on trio. No thread is parked per waiter and
-nothing spins; cancelling the wait abandons it and leaves the device work alone.
+A backend signals completion from its own thread (a stream worker, a driver's
+dispatcher thread). :func:`wait_for` registers a thread-safe callback that schedules the
+waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on asyncio, the
+run's ``TrioToken`` on trio. That is the one hop of a completion: the thread that learns
+the work is done wakes the loop itself. Completions that arrive together (one pass of a
+stream worker over several marks, a dispatcher finding many events done) share one
+wake-up: each loop has one :class:`LoopWaker` that collects them and wakes the loop once
+per batch. No thread is parked per waiter and nothing spins; cancelling the wait abandons
+it and leaves the device work alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
+import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["wait_for"]
+__all__ = ["LoopWaker", "checkpoint", "wait_for", "waker_for"]
 
 Register = Callable[[Callable[[], None]], bool]
+
+
+class LoopWaker:
+    """Wakes one event loop from any thread, once per batch of completions.
+
+    :meth:`wake` files a waiter to be woken on the loop; the first one filed since the loop
+    last ran the batch schedules the batch (``call_soon_threadsafe`` on asyncio,
+    ``TrioToken.run_sync_soon`` on trio); the others only join it. Counters, for
+    diagnostics and tests: :attr:`wakeups` (loop wake-ups scheduled) and
+    :attr:`completions` (waiters woken).
+    """
+
+    __slots__ = ("__weakref__", "_lock", "_pending", "_schedule", "completions", "wakeups")
+
+    def __init__(self, schedule: Callable[[Callable[[], None]], object]) -> None:
+        self._schedule = schedule
+        self._lock = threading.Lock()
+        self._pending: list[Callable[[], object]] = []
+        self.wakeups = 0
+        self.completions = 0
+
+    def wake(self, fire: Callable[[], object]) -> None:
+        """Call ``fire()`` on the loop soon (from any thread; never raises)."""
+        with self._lock:
+            self._pending.append(fire)
+            if len(self._pending) > 1:
+                return  # the batch is already scheduled: this completion rides along
+            self.wakeups += 1
+        try:
+            self._schedule(self._run_batch)
+        except Exception:  # the loop is closed (asyncio) or the run finished (trio)
+            with self._lock:
+                self._pending.clear()
+
+    def _run_batch(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+            self.completions += len(batch)
+        for fire in batch:
+            fire()
+
+
+# The waker of the loop (or trio run) last seen, then all of them by loop: most programs
+# have one loop, and the identity test is cheaper than the weak dictionary's lookup.
+_last: tuple[object, LoopWaker] | None = None
+_wakers: weakref.WeakKeyDictionary[Any, LoopWaker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
+    """The :class:`LoopWaker` of an asyncio loop or of a trio run's ``TrioToken``."""
+    global _last
+    last = _last
+    if last is not None and last[0] is loop:
+        return last[1]
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            if isinstance(loop, asyncio.AbstractEventLoop):
+                waker = LoopWaker(loop.call_soon_threadsafe)
+            else:
+                waker = LoopWaker(loop.run_sync_soon)
+            _wakers[loop] = waker
+    _last = (loop, waker)
+    return waker
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+async def checkpoint() -> None:
+    """Yield to the event loop once (asyncio's ``sleep(0)``, or anyio's checkpoint)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        await anyio.lowlevel.checkpoint()
+    else:
+        await asyncio.sleep(0)  # what anyio's checkpoint does on asyncio, minus the lookup
 
 
 async def wait_for(register: Register, query: Callable[[], bool]) -> None:
@@ -46,29 +129,16 @@ async def wait_for(register: Register, query: Callable[[], bool]) -> None:
         return
     if loop is not None:
         fut: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(_set_result, fut)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-
-        if register(wake):
+        if register(functools.partial(waker_for(loop).wake, functools.partial(_set_result, fut))):
             await fut
             return
     elif "trio" in sys.modules:
         import trio
 
-        token = trio.lowlevel.current_trio_token()
         event = trio.Event()
-
-        def wake_trio() -> None:
-            try:
-                token.run_sync_soon(event.set)
-            except trio.RunFinishedError:
-                pass
-
-        if register(wake_trio):
+        if register(
+            functools.partial(waker_for(trio.lowlevel.current_trio_token()).wake, event.set)
+        ):
             await event.wait()
             return
     await _poll(query)
