@@ -12,10 +12,12 @@ class* (the byte count rounded up to a power of two), never from a guess:
   The first inline run of a class therefore costs at most about twice the budget;
 - an inline run that takes longer than the budget moves its class, and every larger class
   of its kind, off the loop from then on: an overrun happens at most once per kind and size;
-- an overrun the machine caused (the loop thread preempted in the middle of a 1 us copy) is
-  forgiven only when the work's own off-loop runs, timed where they ran, show it: the next
-  :data:`READMIT_RUNS` of them in a row each under half the budget. Work that really costs
-  more than the budget never comes back.
+- an overrun the work did not cause (the loop thread preempted by another process in the
+  middle of a 1 us copy, or kept waiting for the GIL) is forgiven only when the work's own
+  off-loop runs show it: the next :data:`READMIT_RUNS` of them in a row each used less than
+  half the budget of their thread's CPU time (``time.thread_time``, which a preempted or
+  waiting thread does not accrue). Work that really costs more than the budget never
+  comes back.
 
 Only work that never waits (a host memcpy, a CPU computation: never a driver call that can
 block, never a lock held across device work) may be offered to the budget at all.
@@ -130,7 +132,8 @@ class InlineBudget:
             self.record(kind, nbytes, time.perf_counter() - start, inline=True)
 
     def record(self, kind: Hashable, nbytes: int, seconds: float, *, inline: bool) -> None:
-        """Report a run of ``kind`` that took ``seconds``: inline (on the loop), or off it."""
+        """Report a run of ``kind``: inline (``seconds`` of the loop's time, wall clock), or
+        off the loop (``seconds`` of its thread's CPU time)."""
         size = nbytes.bit_length()
         bit = 1 << size
         with self._lock:
@@ -163,12 +166,13 @@ class InlineBudget:
             state.over = min(state.clean, default=_NO_CLASS)
 
     def run_off_loop(self, kind: Hashable, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on this (worker) thread, timing it as an off-loop run."""
-        start = time.perf_counter()
+        """Run ``fn(*args)`` on this (worker) thread and :meth:`record` the CPU time it took
+        as an off-loop run."""
+        start = time.thread_time()
         try:
             return fn(*args)
         finally:
-            self.record(kind, nbytes, time.perf_counter() - start, inline=False)
+            self.record(kind, nbytes, time.thread_time() - start, inline=False)
 
     def __repr__(self) -> str:
         return (

@@ -11,7 +11,7 @@ from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
 from .._streams.notification import Notification, device_error
 from .._streams.stream_impl import call_reporting
-from .._streams.wake import wait_for
+from .._streams.wake import checkpoint, wait_for
 from .._tensors.tensor import Tensor
 
 __all__ = ["CopyFuture", "CopyStatus"]
@@ -173,16 +173,16 @@ class CopyFuture:
                 return
         call_reporting(fn, self)
 
-    async def _wait_async(self) -> list[Tensor]:
-        impl = self._notification.impl
-        await wait_for(impl.add_done_callback, impl.query)
+    def __await__(self) -> Generator[Any, None, list[Tensor]]:
+        if self._status is CopyStatus.PENDING and not self.done():
+            impl = self._notification.impl
+            yield from wait_for(impl.add_done_callback, impl.query).__await__()
+        else:
+            yield from checkpoint()  # an await always yields once, even when done
         try:
             return self.result()
         finally:
             del self  # see result()
-
-    def __await__(self) -> Generator[Any, None, list[Tensor]]:
-        return self._wait_async().__await__()
 
     def __repr__(self) -> str:
         n = len(self._dst)

@@ -92,6 +92,16 @@ class StreamImpl(abc.ABC):
         """
         return None
 
+    def settled(self) -> bool:
+        """True when all work enqueued so far has completed and none of it failed since the
+        last notification the stream reached, nor is the device lost: a notification
+        recorded now would complete at once, without an error.
+
+        ``await stream`` then returns without recording one. Return False (the default)
+        when unsure: the core records a notification and waits for it.
+        """
+        return False
+
     def flush(self) -> None:
         """Submit queued work to the device now (for backends that batch)."""
 
@@ -301,6 +311,12 @@ class ThreadStream(StreamImpl):
     def query(self) -> bool | None:
         with self._lock:
             return not self._queue and not self._busy
+
+    def settled(self) -> bool:
+        with self._lock:
+            if self._queue or self._busy or self._pending_error is not None:
+                return False
+        return self.sticky_error() is None
 
     def enqueue(self, fn: Callable[[], None], *, inline: bool = False) -> None:
         """Queue ``fn`` to run after everything queued before it.

@@ -18,7 +18,7 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio
@@ -71,7 +71,7 @@ class LoopWaker:
 
 # The waker of the loop (or trio run) last seen, then all of them by loop: most programs
 # have one loop, and the identity test is cheaper than the weak dictionary's lookup.
-_last: tuple[object, LoopWaker] | None = None
+_last: tuple[weakref.ref[Any], LoopWaker] | None = None
 _wakers: weakref.WeakKeyDictionary[Any, LoopWaker] = weakref.WeakKeyDictionary()
 _wakers_lock = threading.Lock()
 
@@ -80,7 +80,7 @@ def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
     """The :class:`LoopWaker` of an asyncio loop or of a trio run's ``TrioToken``."""
     global _last
     last = _last
-    if last is not None and last[0] is loop:
+    if last is not None and last[0]() is loop:
         return last[1]
     with _wakers_lock:
         waker = _wakers.get(loop)
@@ -90,7 +90,7 @@ def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
             else:
                 waker = LoopWaker(loop.run_sync_soon)
             _wakers[loop] = waker
-    _last = (loop, waker)
+    _last = (weakref.ref(loop), waker)
     return waker
 
 
@@ -99,14 +99,18 @@ def _set_result(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def checkpoint() -> None:
-    """Yield to the event loop once (asyncio's ``sleep(0)``, or anyio's checkpoint)."""
+def checkpoint() -> Generator[Any, None, None]:
+    """Yield to the event loop once; for ``yield from`` in an ``__await__``.
+
+    On asyncio a bare ``yield`` (what ``asyncio.sleep(0)`` does, without its coroutine);
+    elsewhere anyio's checkpoint.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        await anyio.lowlevel.checkpoint()
+        yield from anyio.lowlevel.checkpoint().__await__()
     else:
-        await asyncio.sleep(0)  # what anyio's checkpoint does on asyncio, minus the lookup
+        yield
 
 
 async def wait_for(register: Register, query: Callable[[], bool]) -> None:
