@@ -129,7 +129,16 @@ class InlineBudget:
         try:
             return fn(*args)
         finally:
-            self.record(kind, nbytes, time.perf_counter() - start, inline=True)
+            seconds = time.perf_counter() - start
+            state = self._kinds.get(kind)
+            if (
+                seconds <= self.budget
+                and state is not None
+                and (state.good >> nbytes.bit_length()) & 1
+            ):
+                self.inline_runs += 1  # within budget, as before: nothing to learn
+            else:
+                self.record(kind, nbytes, seconds, inline=True)
 
     def record(self, kind: Hashable, nbytes: int, seconds: float, *, inline: bool) -> None:
         """Report a run of ``kind``: inline (``seconds`` of the loop's time, wall clock), or

@@ -30,7 +30,7 @@ from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
 from .._tensors.ownership import Scope
-from .._tensors.tensor import Tensor
+from .._tensors.tensor import Tensor, checked_host_tensor
 from .future import CopyFuture
 from .workers import CopyWorkers
 
@@ -142,29 +142,24 @@ class CopyDispatcher:
             return CopyFuture.completed(plan.dst, _COMPLETED)
         for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
             stream.wait(Notification(wait))
-        if worker is not None:
-            # The worker wakes once, for the whole batch and its mark, after it is queued.
-            worker.hold()
-        try:
-            if plan.packs:
-                assert worker is not None  # only such streams defer packing
-                worker.enqueue(plan.pack)
-            for transfer, pairs in plan.groups:
-                try:
-                    if worker is None or not transfer.can_copy_inline(pairs):
-                        transfer.copy_tensors(pairs, impl)
-                    else:
-                        self._copy_on_worker(worker, transfer, pairs)
-                except Exception as exc:
-                    error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
-                    if error is exc:
-                        raise
-                    raise error from exc
-            stream._enqueued()
-            mark = stream.record()
-        finally:
-            if worker is not None:
-                worker.release()
+        if plan.packs:
+            assert worker is not None  # only such streams defer packing
+            worker.enqueue(plan.pack)
+        # The worker is woken by the first copy queued: it wakes up while the rest of the
+        # batch, its mark and its future are made here.
+        for transfer, pairs in plan.groups:
+            try:
+                if worker is None or not transfer.can_copy_inline(pairs):
+                    transfer.copy_tensors(pairs, impl)
+                else:
+                    self._copy_on_worker(worker, transfer, pairs)
+            except Exception as exc:
+                error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
+                if error is exc:
+                    raise
+                raise error from exc
+        stream._enqueued()
+        mark = stream.record()
         _note_use(plan, mark)
         future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream)
         if not future.done():
@@ -347,7 +342,7 @@ def _copy_small_arrays(
                 if j != i and np.may_share_memory(arrays[i], arrays[j]):
                     return None
     budget.run(_HOST_ROUTE, nbytes, _assign, src, dst)
-    return [Tensor.from_numpy(d) for d in dst]  # type: ignore[arg-type]
+    return [checked_host_tensor(d, readonly=False) for d in dst]  # type: ignore[arg-type]
 
 
 def _assign(src: Sequence[np.ndarray[Any, Any]], dst: Sequence[np.ndarray[Any, Any]]) -> None:

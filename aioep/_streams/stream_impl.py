@@ -282,10 +282,6 @@ class ThreadStream(StreamImpl):
     ``enqueue(fn, inline=True)``) runs ``fn`` on the calling thread, as a driver does
     with a small pageable copy. Only run work inline that never blocks (a small memcpy);
     the core does so for copies within the environment's inline budget.
-
-    Between :meth:`hold` and :meth:`release`, enqueued work waits for the release to
-    wake the worker: a batch of copies and the mark after them cost the worker one
-    wake-up, and it starts when the caller has finished handing the batch over.
     """
 
     def __init__(self, name: str | None = None) -> None:
@@ -296,7 +292,6 @@ class ThreadStream(StreamImpl):
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
         self._busy = False  # an op is running (on the worker or inline on a caller)
-        self._held = 0  # hold() calls not yet released: enqueueing does not wake the worker
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -345,21 +340,9 @@ class ThreadStream(StreamImpl):
         finally:
             with self._cond:
                 self._busy = False
-                if self._queue and not self._held:
+                if self._queue:
                     self._cond.notify()
         return True
-
-    def hold(self) -> None:
-        """Queue work without waking the worker until the matching :meth:`release`."""
-        with self._lock:
-            self._held += 1
-
-    def release(self) -> None:
-        """End a :meth:`hold`: wake the worker (once) for the work queued meanwhile."""
-        with self._cond:
-            self._held -= 1
-            if not self._held and self._queue:
-                self._cond.notify()
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
         """Queue a device-side wait: work after this waits until ``notification`` completes.
@@ -378,8 +361,7 @@ class ThreadStream(StreamImpl):
             idle = not self._queue and not self._busy
             if not idle:
                 self._queue.append(("signal", notification, generation))
-                if not self._held:
-                    self._cond.notify()  # holding _lock is holding _cond
+                self._cond.notify()  # holding _lock is holding _cond
                 return
             error = self._take_error()
         # The stream already passed this point: complete it here (callbacks run on this thread).
@@ -394,8 +376,7 @@ class ThreadStream(StreamImpl):
         with self._cond:
             self._check_not_closed()
             self._queue.append(op)
-            if not self._held:
-                self._cond.notify()
+            self._cond.notify()
 
     def _keep_error(self, error: BaseException) -> None:
         # A superseded mark (re-activated notification) must not swallow a failure.

@@ -14,6 +14,7 @@ it and leaves the device work alone.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import sys
 import threading
@@ -34,39 +35,36 @@ class LoopWaker:
 
     :meth:`wake` files a waiter to be woken on the loop; the first one filed since the loop
     last ran the batch schedules the batch (``call_soon_threadsafe`` on asyncio,
-    ``TrioToken.run_sync_soon`` on trio); the others only join it. Counters, for
-    diagnostics and tests: :attr:`wakeups` (loop wake-ups scheduled) and
-    :attr:`completions` (waiters woken).
+    ``TrioToken.run_sync_soon`` on trio); the others only join it.
     """
 
-    __slots__ = ("__weakref__", "_lock", "_pending", "_schedule", "completions", "wakeups")
+    __slots__ = ("__weakref__", "_pending", "_schedule", "_scheduled")
 
     def __init__(self, schedule: Callable[[Callable[[], None]], object]) -> None:
         self._schedule = schedule
-        self._lock = threading.Lock()
-        self._pending: list[Callable[[], object]] = []
-        self.wakeups = 0
-        self.completions = 0
+        # A deque's append and popleft are atomic: no lock on the completing thread's path.
+        self._pending: collections.deque[Callable[[], object]] = collections.deque()
+        self._scheduled = False
 
     def wake(self, fire: Callable[[], object]) -> None:
         """Call ``fire()`` on the loop soon (from any thread; never raises)."""
-        with self._lock:
-            self._pending.append(fire)
-            if len(self._pending) > 1:
-                return  # the batch is already scheduled: this completion rides along
-            self.wakeups += 1
+        self._pending.append(fire)
+        if self._scheduled:
+            return  # the batch is already scheduled: this completion rides along
+        # Two threads may both get here: the loop then runs one batch more, which is harmless.
+        self._scheduled = True
         try:
             self._schedule(self._run_batch)
         except Exception:  # the loop is closed (asyncio) or the run finished (trio)
-            with self._lock:
-                self._pending.clear()
+            self._pending.clear()
 
     def _run_batch(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-            self.completions += len(batch)
-        for fire in batch:
-            fire()
+        # Cleared before draining: a waiter filed after this point either is drained below
+        # or (if it saw the flag clear) schedules a batch of its own.
+        self._scheduled = False
+        pending = self._pending
+        while pending:
+            pending.popleft()()
 
 
 # The waker of the loop (or trio run) last seen, then all of them by loop: most programs

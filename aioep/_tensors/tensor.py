@@ -241,16 +241,7 @@ class Tensor:
                 f"Tensor.from_numpy: dtype {array.dtype} holds Python objects, which device "
                 "memory cannot hold (sessions take string arrays as inputs directly)"
             )
-        # What numpy knows is taken as it is: its address, size and flags (no array
-        # interface dictionary built, no second check of the values).
-        buffer = Buffer(
-            data_address(array),
-            array.nbytes,
-            HOST_MEMORY_INFO,
-            owner=array,
-            readonly=not flags.writeable,
-        )
-        return cls._over_array(array, buffer)
+        return checked_host_tensor(array, readonly=not flags.writeable)
 
     @classmethod
     def _over_array(cls, array: npt.NDArray[Any], buffer: Buffer) -> Tensor:
@@ -468,6 +459,16 @@ except (AttributeError, OSError):  # pragma: no cover - an interpreter without t
     _capsule_pointer = None
 _DATA_AT = _ArrayStruct.data.offset
 _pointer_at = ctypes.c_void_p.from_address
+
+
+def checked_host_tensor(array: npt.NDArray[Any], *, readonly: bool) -> Tensor:
+    """A tensor over ``array``, which the caller checked is a C-contiguous numpy array of
+    plain values (what :meth:`Tensor.from_numpy` checks): what numpy knows (address, size,
+    shape, dtype) is taken as it is, not derived or validated again."""
+    buffer = Buffer(
+        data_address(array), array.nbytes, HOST_MEMORY_INFO, owner=array, readonly=readonly
+    )
+    return Tensor._over_array(array, buffer)
 
 
 def data_address(array: npt.NDArray[Any]) -> int:

@@ -94,13 +94,9 @@ class SimDataTransfer(DataTransfer):
         stream = self._own_stream(self._batch_device(batch))
         if stream is None:
             return None  # closed: the core runs it
-        stream.hold()  # one wake-up of the worker for the copies and the mark
-        try:
-            stream.enqueue(functools.partial(self._run, batch))
-            mark = stream.create_notification()
-            mark.activate()
-        finally:
-            stream.release()
+        stream.enqueue(functools.partial(self._run, batch))
+        mark = stream.create_notification()
+        mark.activate()
         return mark
 
     def _batch_device(self, pairs: list[CopyPair]) -> SimDevice:
