@@ -14,10 +14,11 @@ class* (the byte count rounded up to a power of two), never from a guess:
   of its kind, off the loop from then on: an overrun happens at most once per kind and size;
 - an overrun the work did not cause (the loop thread preempted by another process in the
   middle of a 1 us copy, or kept waiting for the GIL) is forgiven only when the work's own
-  off-loop runs show it: the next :data:`READMIT_RUNS` of them in a row each used less than
-  half the budget of their thread's CPU time (``time.thread_time``, which a preempted or
-  waiting thread does not accrue). Work that really costs more than the budget never
-  comes back.
+  off-loop runs show it: the median of its next :data:`READMIT_RUNS` off-loop runs used
+  less than the budget of their thread's CPU time (``time.thread_time``, which a
+  preempted or waiting thread does not accrue). Work that really costs more than the
+  budget never comes back; work that only sometimes does costs at most one overrun per
+  ``READMIT_RUNS`` runs.
 
 Only work that never waits (a host memcpy, a CPU computation: never a driver call that can
 block, never a lock held across device work) may be offered to the budget at all.
@@ -56,7 +57,7 @@ PROBE_BYTES = 16 << 10
 """Sizes up to this may be tried inline with no smaller measurement of their kind."""
 
 READMIT_RUNS = 8
-"""Off-loop runs in a row, each under half the budget, that forgive an overrun."""
+"""Off-loop runs whose median CPU time, under the budget, forgives an overrun."""
 
 _PROBE_CLASS = PROBE_BYTES.bit_length()
 _NO_CLASS = 1 << 80  # a mask bit above every size class (an int has no fixed width)
@@ -70,7 +71,7 @@ class _Kind:
     def __init__(self) -> None:
         self.over = _NO_CLASS  # the lowest class whose inline run overran (none: above all)
         self.good = 0  # classes measured within the budget
-        self.clean: dict[int, int] = {}  # overrun class -> clean off-loop runs in a row
+        self.clean: dict[int, list[float]] = {}  # overrun class -> CPU times off the loop since
 
 
 class InlineBudget:
@@ -129,16 +130,15 @@ class InlineBudget:
         try:
             return fn(*args)
         finally:
-            seconds = time.perf_counter() - start
-            state = self._kinds.get(kind)
-            if (
-                seconds <= self.budget
-                and state is not None
-                and (state.good >> nbytes.bit_length()) & 1
-            ):
-                self.inline_runs += 1  # within budget, as before: nothing to learn
-            else:
-                self.record(kind, nbytes, seconds, inline=True)
+            self.ran_inline(kind, nbytes, time.perf_counter() - start)
+
+    def ran_inline(self, kind: Hashable, nbytes: int, seconds: float) -> None:
+        """:meth:`record` an inline run (the fast form, for a caller that timed it itself)."""
+        state = self._kinds.get(kind)
+        if seconds <= self.budget and state is not None and (state.good >> nbytes.bit_length()) & 1:
+            self.inline_runs += 1  # within budget, as before: nothing to learn
+        else:
+            self.record(kind, nbytes, seconds, inline=True)
 
     def record(self, kind: Hashable, nbytes: int, seconds: float, *, inline: bool) -> None:
         """Report a run of ``kind``: inline (``seconds`` of the loop's time, wall clock), or
@@ -155,7 +155,7 @@ class InlineBudget:
                     self.overruns += 1
                     state.over = min(state.over, size)
                     state.good &= bit - 1  # this class and larger ones no longer count
-                    state.clean[size] = 0
+                    state.clean[size] = []
                 else:
                     state.good |= bit
                 return
@@ -165,10 +165,13 @@ class InlineBudget:
                 return
             if size not in state.clean:
                 return  # barred only because a smaller class overran
-            # An overrun class: forgive it only after enough clean off-loop runs in a row.
-            clean = state.clean[size] + 1 if seconds <= self.budget / 2 else 0
-            if clean < READMIT_RUNS:
-                state.clean[size] = clean
+            # An overrun class: forgive it once enough off-loop runs show the work is cheap.
+            runs = state.clean[size]
+            runs.append(seconds)
+            if len(runs) < READMIT_RUNS:
+                return
+            if sorted(runs)[len(runs) // 2] > self.budget:
+                runs.clear()  # it does cost that much: it stays off the loop
                 return
             del state.clean[size]
             state.good |= bit

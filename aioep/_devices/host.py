@@ -86,6 +86,26 @@ class HostAllocator(Allocator):
 
 _memmove = ctypes.memmove  # a C call that releases the GIL while it copies
 
+
+def _gil_holding_memmove() -> Any:
+    try:
+        # PyDLL: the call keeps the GIL (libc's memmove, found in the process's own symbols).
+        memmove = ctypes.PyDLL(None).memmove
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - no dlopen(NULL) here
+        return _memmove
+    memmove.restype = ctypes.c_void_p
+    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memmove
+
+
+small_memmove = _gil_holding_memmove()
+"""``memmove(dst, src, n)`` that keeps the GIL: for copies up to ``SMALL_COPY_BYTES``,
+where giving the GIL up costs more than the copy and lets another thread take it for as
+long as it wants (on the loop thread, an inline copy would then wait for it)."""
+
+SMALL_COPY_BYTES = 64 << 10
+"""Copies up to this size keep the GIL (``small_memmove``); larger ones release it."""
+
 COPY_THREAD_NICE = 5
 """Niceness of aioep's copy worker threads (Linux): when the event loop's thread wakes up
 it gets a core at once instead of waiting for a copying thread's time slice."""
@@ -147,7 +167,7 @@ class HostDataTransfer(DataTransfer):
         parts = min(self._workers, total // self.parallel_threshold)
         if parts <= 1:
             for dst, src, n in jobs:
-                _memmove(dst, src, n)
+                (small_memmove if n <= SMALL_COPY_BYTES else _memmove)(dst, src, n)
             return
         shares = _split(jobs, parts)
         pool = self._get_pool()

@@ -338,7 +338,7 @@ class ThreadStream(StreamImpl):
         try:
             self._run_op(fn)
         finally:
-            with self._cond:
+            with self._lock:
                 self._busy = False
                 if self._queue:
                     self._cond.notify()
@@ -373,7 +373,7 @@ class ThreadStream(StreamImpl):
             raise ClosedError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
-        with self._cond:
+        with self._lock:
             self._check_not_closed()
             self._queue.append(op)
             self._cond.notify()
@@ -405,7 +405,7 @@ class ThreadStream(StreamImpl):
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._queue or self._busy:
                     if self._closed and not self._queue:
                         return
@@ -436,11 +436,11 @@ class ThreadStream(StreamImpl):
                         obj.wait_on_host(None)  # type: ignore[attr-defined]
             finally:
                 del obj
-                with self._cond:
+                with self._lock:
                     self._busy = False
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify()
         if threading.current_thread() is not self._thread:

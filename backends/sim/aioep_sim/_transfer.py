@@ -24,6 +24,22 @@ an idle one, so one caller's copy never waits behind another's while one of them
 
 _memmove = ctypes.memmove  # releases the GIL while it copies
 
+
+def _gil_holding_memmove() -> Any:
+    try:
+        memmove = ctypes.PyDLL(None).memmove  # PyDLL: the call keeps the GIL
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - no dlopen(NULL) here
+        return _memmove
+    memmove.restype = ctypes.c_void_p
+    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memmove
+
+
+_small_memmove = _gil_holding_memmove()
+SMALL_COPY_BYTES = 64 << 10
+"""Copies up to this size keep the GIL: giving it up costs more than the copy, and lets
+another thread keep it meanwhile (an inline copy on the event loop would wait for it)."""
+
 _Engines = tuple[tuple[SimDevice, str], ...]
 
 
@@ -190,22 +206,23 @@ class SimDataTransfer(DataTransfer):
         # Resolve device addresses when the copy runs: freed memory is an illegal address.
         src_addr, src_keep = self._side(src, sdev, n)
         dst_addr, dst_keep = self._side(dst, ddev, n)
+        memmove = _small_memmove if n <= SMALL_COPY_BYTES else _memmove
         if self._free:
-            _memmove(dst_addr, src_addr, n)
+            memmove(dst_addr, src_addr, n)
             return
         if self._latency:
             # Runs on a stream's worker thread or a copy thread, never inline on the event
             # loop: can_copy_inline is False whenever latency or bandwidth is set.
             time.sleep(self._latency)  # loop-safe
         if not self._bytes_per_s:
-            _memmove(dst_addr, src_addr, n)
+            memmove(dst_addr, src_addr, n)
             return
         engines = self._engines_for(sdev, ddev)
         for dev, name in engines:
             dev.engines[name].acquire()
         try:
             start = time.perf_counter()
-            _memmove(dst_addr, src_addr, n)
+            memmove(dst_addr, src_addr, n)
             remaining = start + n / self._bytes_per_s - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # loop-safe: bandwidth set means never inline (see above)
