@@ -134,12 +134,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         small = 4096
         rounds, block = (20, 20) if args.quick else (60, 40)
         small_copy = await small_latency(small, rounds, block)
-        budget = env.inline_budget
+        budget = getattr(env, "inline_budget", None)  # None before aioep had one
         small_copy.update(
             nbytes=small,
             target_ratio=2.5,
-            inline_runs=budget.inline_runs,
-            overruns=budget.overruns,
+            inline_runs=None if budget is None else budget.inline_runs,
+            overruns=None if budget is None else budget.overruns,
         )
 
     np_gbps = size / min(numpy_s) / 1e9

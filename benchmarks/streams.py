@@ -163,8 +163,9 @@ async def inline_and_idle(env: aioep.Environment, rounds: int, block: int) -> di
         name, floor = "aioep: await copy_tensors(stream=s), inline", "numpy.copyto + await sleep(0)"
         samples = await interleave({name: inline, floor: copyto_sleep0}, rounds=rounds, block=block)
         out["inline"] = _section(samples, name, [floor])
-        out["inline"]["inline_runs"] = env.inline_budget.inline_runs
-        out["inline"]["overruns"] = env.inline_budget.overruns
+        budget = getattr(env, "inline_budget", None)  # None before aioep had one
+        out["inline"]["inline_runs"] = None if budget is None else budget.inline_runs
+        out["inline"]["overruns"] = None if budget is None else budget.overruns
         name, floor = "aioep: await stream (idle)", "await asyncio.sleep(0)"
         samples = await interleave({name: idle, floor: sleep0}, rounds=rounds, block=block)
         out["idle_stream"] = _section(samples, name, [floor])

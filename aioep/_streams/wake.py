@@ -33,22 +33,26 @@ Register = Callable[[Callable[[], None]], bool]
 class LoopWaker:
     """Wakes one event loop from any thread, once per batch of completions.
 
-    :meth:`wake` files a waiter to be woken on the loop; the first one filed since the loop
-    last ran the batch schedules the batch (``call_soon_threadsafe`` on asyncio,
-    ``TrioToken.run_sync_soon`` on trio); the others only join it.
+    :meth:`wake` files a waiter (an asyncio future, a trio event) to be woken on the loop
+    by ``fire(waiter)``; the first one filed since the loop last ran the batch schedules
+    the batch (``call_soon_threadsafe`` on asyncio, ``TrioToken.run_sync_soon`` on trio);
+    the others only join it.
     """
 
-    __slots__ = ("__weakref__", "_pending", "_schedule", "_scheduled")
+    __slots__ = ("__weakref__", "_fire", "_pending", "_schedule", "_scheduled")
 
-    def __init__(self, schedule: Callable[[Callable[[], None]], object]) -> None:
+    def __init__(
+        self, schedule: Callable[[Callable[[], None]], object], fire: Callable[[Any], object]
+    ) -> None:
         self._schedule = schedule
+        self._fire = fire
         # A deque's append and popleft are atomic: no lock on the completing thread's path.
-        self._pending: collections.deque[Callable[[], object]] = collections.deque()
+        self._pending: collections.deque[Any] = collections.deque()
         self._scheduled = False
 
-    def wake(self, fire: Callable[[], object]) -> None:
-        """Call ``fire()`` on the loop soon (from any thread; never raises)."""
-        self._pending.append(fire)
+    def wake(self, waiter: Any) -> None:
+        """Wake ``waiter`` on the loop soon (call from any thread; never raises)."""
+        self._pending.append(waiter)
         if self._scheduled:
             return  # the batch is already scheduled: this completion rides along
         # Two threads may both get here: the loop then runs one batch more, which is harmless.
@@ -62,9 +66,9 @@ class LoopWaker:
         # Cleared before draining: a waiter filed after this point either is drained below
         # or (if it saw the flag clear) schedules a batch of its own.
         self._scheduled = False
-        pending = self._pending
+        pending, fire = self._pending, self._fire
         while pending:
-            pending.popleft()()
+            fire(pending.popleft())
 
 
 # The waker of the loop (or trio run) last seen, then all of them by loop: most programs
@@ -84,9 +88,9 @@ def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
         waker = _wakers.get(loop)
         if waker is None:
             if isinstance(loop, asyncio.AbstractEventLoop):
-                waker = LoopWaker(loop.call_soon_threadsafe)
+                waker = LoopWaker(loop.call_soon_threadsafe, _set_result)
             else:
-                waker = LoopWaker(loop.run_sync_soon)
+                waker = LoopWaker(loop.run_sync_soon, _set_event)
             _wakers[loop] = waker
     _last = (weakref.ref(loop), waker)
     return waker
@@ -95,6 +99,10 @@ def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
 def _set_result(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _set_event(event: Any) -> None:
+    event.set()
 
 
 def checkpoint() -> Generator[Any, None, None]:
@@ -131,16 +139,14 @@ async def wait_for(register: Register, query: Callable[[], bool]) -> None:
         return
     if loop is not None:
         fut: asyncio.Future[None] = loop.create_future()
-        if register(functools.partial(waker_for(loop).wake, functools.partial(_set_result, fut))):
+        if register(functools.partial(waker_for(loop).wake, fut)):
             await fut
             return
     elif "trio" in sys.modules:
         import trio
 
         event = trio.Event()
-        if register(
-            functools.partial(waker_for(trio.lowlevel.current_trio_token()).wake, event.set)
-        ):
+        if register(functools.partial(waker_for(trio.lowlevel.current_trio_token()).wake, event)):
             await event.wait()
             return
     await _poll(query)
