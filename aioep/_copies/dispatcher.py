@@ -252,7 +252,7 @@ class CopyDispatcher:
 
     def _track(self, future: CopyFuture, libraries: frozenset[str]) -> None:
         self._inflight[future] = libraries
-        future.add_done_callback(self._forget)
+        future._when_done(self._forget)
 
     def _forget(self, future: CopyFuture) -> None:
         self._inflight.pop(future, None)

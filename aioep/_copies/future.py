@@ -44,7 +44,9 @@ class CopyFuture:
         "_keepalive",
         "_lock",
         "_notification",
+        "_on_done",
         "_status",
+        "_wakers",
         "_what",
     )
 
@@ -66,8 +68,12 @@ class CopyFuture:
         self._notification = notification
         self._what = what
         self._keepalive: list[Tensor] | None = None
+        # Wake-ups of awaiting loops, called once the done-callbacks ran (then None).
+        self._wakers: list[Callable[[], None]] | None = []
+        self._on_done: Callable[[CopyFuture], None] | None = None
         if notification.impl.query():  # already complete (an idle stream ran it inline)
             self._settle()  # nobody else can see this future yet: no lock, no callbacks
+            self._wakers = None
             return
         self._keepalive = list(keepalive)
         for t in self._keepalive:
@@ -104,9 +110,30 @@ class CopyFuture:
             del keepalive  # a completed future holds no source buffer
             callbacks, self._callbacks = self._callbacks, []
             self._settle()
+            on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            call_reporting(on_done, self)
         callbacks.reverse()
         while callbacks:  # drop each before the next runs; one that raises is logged
             call_reporting(callbacks.pop(), self)
+        # The awaiting tasks last: an await returns once the done-callbacks ran.
+        with self._lock:
+            wakers, self._wakers = self._wakers, None
+        for wake in wakers or ():
+            wake()  # a LoopWaker's wake: never raises
+
+    def _finished(self) -> bool:
+        """True once completed and its done-callbacks ran (completing it here if the copies
+        are done and nobody else did)."""
+        return self._wakers is None or (self.done() and self._wakers is None)
+
+    def _when_done(self, fn: Callable[[CopyFuture], None]) -> None:
+        """The copy machinery's own done-callback (one; not one a user waits behind)."""
+        with self._lock:
+            if self._status is CopyStatus.PENDING:
+                self._on_done = fn
+                return
+        fn(self)
 
     def _settle(self) -> None:
         err = self._notification.impl.error()
@@ -173,10 +200,19 @@ class CopyFuture:
                 return
         call_reporting(fn, self)
 
+    def _add_waker(self, wake: Callable[[], None]) -> bool:
+        """Register a wake-up of an awaiting loop (``wait_for``'s ``register``)."""
+        with self._lock:
+            if self._wakers is not None:
+                self._wakers.append(wake)
+                return True
+        wake()  # finished meanwhile
+        return True
+
     def __await__(self) -> Generator[Any, None, list[Tensor]]:
-        if self._status is CopyStatus.PENDING and not self.done():
-            impl = self._notification.impl
-            yield from wait_for(impl.add_done_callback, impl.query).__await__()
+        if self._wakers is not None:
+            # Woken by the thread that completes it, once its done-callbacks ran.
+            yield from wait_for(self._add_waker, self._finished).__await__()
         else:
             yield from checkpoint()  # an await always yields once, even when done
         try:

@@ -281,12 +281,19 @@ async def test_copies_are_bit_exact_when_their_awaits_are_cancelled(
     on_device = [env.empty(n, "uint8", info) for n in sizes]
     async with env.create_sync_stream(dev) as stream:
         for streamed in (None, stream):
+            futures = []
             for s, d in zip(sources, on_device):
+                fut = aioep.copy_tensors([s.copy()], [d], streamed)  # its source: a temporary
                 with anyio.CancelScope() as scope:
                     scope.cancel()  # the await is cancelled at once: the copy goes on
-                    await aioep.copy_tensors([s.copy()], [d], streamed)
-            await stream
+                    await fut
+                futures.append(fut)
             gc.collect()
+            # Copies without a stream are not ordered before later ones: let these finish
+            # before reading back.
+            for fut in futures:
+                await fut
+            del futures, fut
             outs = [np.zeros_like(s) for s in sources]
             futs = [aioep.copy_tensors([d], [o], streamed) for d, o in zip(on_device, outs)]
             for f in futs:
@@ -401,3 +408,35 @@ async def test_a_stream_that_cannot_query_keeps_the_recording_path() -> None:
         for _ in range(3):
             await stream
         assert impl.records == 3
+
+
+async def test_an_await_returns_once_the_done_callbacks_ran(make_env: MakeEnv) -> None:
+    env = await make_env(num_devices=1, bandwidth_gbps=1000)
+    (dev,) = env.ep_devices(ep_name="SimExecutionProvider")
+    dst = env.empty(16, "uint8", dev.memory_info(aioep.MemoryType.DEFAULT))
+    async with env.create_sync_stream(dev) as stream:
+        gate = HostNotification()
+        stream.wait(aioep.Notification(gate))
+        fut = aioep.copy_tensors([np.ones(16, np.uint8)], [dst], stream=stream)
+        release = threading.Event()
+        ran: list[str] = []
+
+        def slow_callback(_: aioep.CopyFuture) -> None:
+            assert release.wait(10)
+            ran.append("callback")
+
+        fut.add_done_callback(slow_callback)
+        gate.set()
+        with anyio.fail_after(10):
+            while not fut.done():  # noqa: ASYNC110 - the copy completes; its callback waits
+                await anyio.sleep(0.001)
+        # Done, but its callback still runs on the stream's worker: the await waits for it.
+        with anyio.move_on_after(0.1) as scope:
+            await fut
+        assert scope.cancelled_caught
+        release.set()
+        with anyio.fail_after(10):
+            await fut
+        assert ran == ["callback"]
+        del fut
+    del dst
