@@ -39,6 +39,7 @@ class CopyFuture:
     __slots__ = (
         "__weakref__",
         "_callbacks",
+        "_calls_back",
         "_dst",
         "_error",
         "_keepalive",
@@ -71,6 +72,7 @@ class CopyFuture:
         # Wake-ups of awaiting loops, called once the done-callbacks ran (then None).
         self._wakers: list[Callable[[], None]] | None = []
         self._on_done: Callable[[CopyFuture], None] | None = None
+        self._calls_back = True
         if notification.impl.query():  # already complete (an idle stream ran it inline)
             self._settle()  # nobody else can see this future yet: no lock, no callbacks
             self._wakers = None
@@ -79,7 +81,7 @@ class CopyFuture:
         for t in self._keepalive:
             t.buffer._pin()
         # If the backend cannot call back, completion is found by done(), await or wait().
-        notification.impl.add_done_callback(self._complete)
+        self._calls_back = notification.impl.add_done_callback(self._complete)
 
     @classmethod
     def completed(
@@ -201,7 +203,10 @@ class CopyFuture:
         call_reporting(fn, self)
 
     def _add_waker(self, wake: Callable[[], None]) -> bool:
-        """Register a wake-up of an awaiting loop (``wait_for``'s ``register``)."""
+        """Register a wake-up of an awaiting loop (``wait_for``'s ``register``); False when
+        the backend cannot call back (``wait_for`` then polls :meth:`_finished`)."""
+        if not self._calls_back:
+            return False
         with self._lock:
             if self._wakers is not None:
                 self._wakers.append(wake)

@@ -440,3 +440,43 @@ async def test_an_await_returns_once_the_done_callbacks_ran(make_env: MakeEnv) -
         assert ran == ["callback"]
         del fut
     del dst
+
+
+class _Polled(NotificationImpl):
+    """A notification that cannot call back: done once queried a few times."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def activate(self) -> None:
+        pass
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > 3
+
+
+class _PolledTransfer(RecordingTransfer):
+    def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> NotificationImpl | None:
+        self.copy_tensors(pairs, None)  # a memmove: the "device" finishes it at once
+        return _Polled()
+
+
+class _PolledFactory(FakeGpuFactory):
+    def create_data_transfer(self) -> DataTransfer:
+        return _PolledTransfer(self.tag)
+
+
+async def test_a_copy_whose_notification_cannot_call_back_is_awaited_by_polling() -> None:
+    async with aioep.Environment(autoload=False) as env:
+        env.register_library("polled", _PolledFactory)
+        dst = env.empty(64, "uint8", FAKE_INFO)
+        with anyio.fail_after(10):
+            await aioep.copy_tensors([np.full(64, 3, np.uint8)], [dst])
+            back = np.zeros(64, np.uint8)
+            await aioep.copy_tensors([dst], [back])
+        assert (back == 3).all()
+        del dst
