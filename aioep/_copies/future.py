@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -69,19 +70,26 @@ class CopyFuture:
         self._notification = notification
         self._what = what
         self._keepalive: list[Tensor] | None = None
-        # Wake-ups of awaiting loops, called once the done-callbacks ran (then None).
-        self._wakers: list[Callable[[], None]] | None = []
+        # [wake-ups of awaiting loops], run once the done-callbacks ran (then [None]). Held
+        # in a box of its own: what runs them must not keep the future alive meanwhile.
+        self._wakers: list[list[Callable[[], None]] | None] = [[]]
         self._on_done: Callable[[CopyFuture], None] | None = None
         self._calls_back = True
         if notification.impl.query():  # already complete (an idle stream ran it inline)
             self._settle()  # nobody else can see this future yet: no lock, no callbacks
-            self._wakers = None
+            self._wakers[0] = None
             return
         self._keepalive = list(keepalive)
         for t in self._keepalive:
             t.buffer._pin()
         # If the backend cannot call back, completion is found by done(), await or wait().
         self._calls_back = notification.impl.add_done_callback(self._complete)
+        if self._calls_back:
+            # Runs after _complete returned: the awaiters resume once the done-callbacks ran,
+            # and nothing on the completing thread holds the future any more.
+            notification.impl.add_done_callback(
+                functools.partial(_wake_awaiters, self._lock, self._wakers)
+            )
 
     @classmethod
     def completed(
@@ -118,16 +126,13 @@ class CopyFuture:
         callbacks.reverse()
         while callbacks:  # drop each before the next runs; one that raises is logged
             call_reporting(callbacks.pop(), self)
-        # The awaiting tasks last: an await returns once the done-callbacks ran.
-        with self._lock:
-            wakers, self._wakers = self._wakers, None
-        for wake in wakers or ():
-            wake()  # a LoopWaker's wake: never raises
+        if not self._calls_back:  # completed by done() on the awaiting thread itself
+            _wake_awaiters(self._lock, self._wakers)
 
     def _finished(self) -> bool:
         """True once completed and its done-callbacks ran (completing it here if the copies
         are done and nobody else did)."""
-        return self._wakers is None or (self.done() and self._wakers is None)
+        return self._wakers[0] is None or (self.done() and self._wakers[0] is None)
 
     def _when_done(self, fn: Callable[[CopyFuture], None]) -> None:
         """The copy machinery's own done-callback (one; not one a user waits behind)."""
@@ -208,14 +213,15 @@ class CopyFuture:
         if not self._calls_back:
             return False
         with self._lock:
-            if self._wakers is not None:
-                self._wakers.append(wake)
+            wakers = self._wakers[0]
+            if wakers is not None:
+                wakers.append(wake)
                 return True
         wake()  # finished meanwhile
         return True
 
     def __await__(self) -> Generator[Any, None, list[Tensor]]:
-        if self._wakers is not None:
+        if self._wakers[0] is not None:
             # Woken by the thread that completes it, once its done-callbacks ran.
             yield from wait_for(self._add_waker, self._finished).__await__()
         else:
@@ -228,3 +234,11 @@ class CopyFuture:
     def __repr__(self) -> str:
         n = len(self._dst)
         return f"<CopyFuture {self._status.value} {n} tensor{'s' if n != 1 else ''}>"
+
+
+def _wake_awaiters(lock: threading.Lock, box: list[list[Callable[[], None]] | None]) -> None:
+    """Wake the tasks awaiting a future (its box of wake-ups), once."""
+    with lock:
+        wakers, box[0] = box[0], None
+    for wake in wakers or ():
+        wake()  # a LoopWaker's wake: never raises
