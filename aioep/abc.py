@@ -14,7 +14,7 @@ allocator of aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an
 :class:`ExternalDataLoader` (:class:`ChunkedExternalDataLoader` is the built-in one).
 A data transfer whose copies are plain host memcpys says so
 (``DataTransfer.can_copy_inline``): the core then runs small ones inline on the event loop
-while an :class:`InlineBudget` (the environment's) measures them within budget.
+while an `InlineBudget` (the environment's) measures them within budget.
 Its options are parsed with :func:`parse_int_option`, :func:`parse_float_option`,
 :func:`parse_bool_option`, :func:`parse_choice_option` and
 :func:`reject_unknown_options`, so every backend reads a value the same way.

@@ -2,19 +2,19 @@
 
 Handing work to another thread and waking the loop when it is done costs a thread hop (tens
 of microseconds). Work that costs less than that is cheaper to do on the loop thread, but
-only while it stays small: :class:`InlineBudget` decides from measurements, per *kind* of
+only while it stays small: `InlineBudget` decides from measurements, per *kind* of
 work (a hashable key the caller chooses: a copy route, a session's CPU step) and *size
 class* (the byte count rounded up to a power of two), never from a guess:
 
 - a size class may be tried inline once a smaller class of its kind was measured within
   the budget and this one is at most twice as big, or once this class was measured off the
-  loop within the budget; classes up to :data:`PROBE_BYTES` may be tried on first sight.
+  loop within the budget; classes up to `PROBE_BYTES` may be tried on first sight.
   The first inline run of a class therefore costs at most about twice the budget;
 - an inline run that takes longer than the budget moves its class, and every larger class
   of its kind, off the loop from then on: an overrun happens at most once per kind and size;
 - an overrun the work did not cause (the loop thread preempted by another process in the
   middle of a 1 us copy, or kept waiting for the GIL) is forgiven only when the work's own
-  off-loop runs show it: the median of its next :data:`READMIT_RUNS` off-loop runs used
+  off-loop runs show it: the median of its next `READMIT_RUNS` off-loop runs used
   less than the budget of their thread's CPU time (``time.thread_time``, which a
   preempted or waiting thread does not accrue). Work that really costs more than the
   budget never comes back; work that only sometimes does costs at most one overrun per
@@ -78,9 +78,9 @@ class InlineBudget:
     """Decides, from measured run times, whether a piece of work may run inline on the loop.
 
     ``budget_us`` is the most loop time one piece may take (0 runs nothing inline). Use
-    :meth:`allows` to ask, :meth:`run` to run a piece inline and time it, and
-    :meth:`run_off_loop` (or :meth:`record`) for a run on a worker thread. Thread-safe.
-    Counters for diagnostics and tests: :attr:`inline_runs`, :attr:`overruns`.
+    `allows` to ask, `run` to run a piece inline and time it, and
+    `run_off_loop` (or `record`) for a run on a worker thread. Thread-safe.
+    Counters for diagnostics and tests: `inline_runs`, `overruns`.
 
     Raises:
         InvalidArgument: ``budget_us`` is not a number in [0, ``MAX_INLINE_BUDGET_US``].
@@ -104,7 +104,7 @@ class InlineBudget:
         self._kinds: dict[Hashable, _Kind] = {}
         self._lock = threading.Lock()
         self.inline_runs = 0
-        """Pieces of work run inline through :meth:`run`."""
+        """Pieces of work run inline through `run`."""
         self.overruns = 0
         """Inline runs that took longer than the budget."""
 
@@ -122,7 +122,7 @@ class InlineBudget:
         return size <= _PROBE_CLASS or bool(state.good & (3 << max(size - 1, 0)))
 
     def run(self, kind: Hashable, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` here and now (the caller checked :meth:`allows`), timing it.
+        """Run ``fn(*args)`` here and now (the caller checked `allows`), timing it.
 
         An exception ``fn`` raises propagates; the run still counts.
         """
@@ -133,7 +133,7 @@ class InlineBudget:
             self.ran_inline(kind, nbytes, time.perf_counter() - start)
 
     def ran_inline(self, kind: Hashable, nbytes: int, seconds: float) -> None:
-        """:meth:`record` an inline run (the fast form, for a caller that timed it itself)."""
+        """`record` an inline run (the fast form, for a caller that timed it itself)."""
         state = self._kinds.get(kind)
         if seconds <= self.budget and state is not None and (state.good >> nbytes.bit_length()) & 1:
             self.inline_runs += 1  # within budget, as before: nothing to learn
@@ -178,7 +178,7 @@ class InlineBudget:
             state.over = min(state.clean, default=_NO_CLASS)
 
     def run_off_loop(self, kind: Hashable, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on this (worker) thread and :meth:`record` the CPU time it took
+        """Run ``fn(*args)`` on this (worker) thread and `record` the CPU time it took
         as an off-loop run."""
         start = time.thread_time()
         try:

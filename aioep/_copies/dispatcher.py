@@ -5,7 +5,7 @@ in flight.
 Every completion costs one hop: the thread that finishes a copy (a stream's worker, a
 backend's dispatcher, a copy worker) completes the copy's notification, which wakes the
 awaiting loop. Copies whose transfer can run them on the host (``can_copy_inline``) run on
-the calling thread instead while the environment's :class:`InlineBudget` allows it.
+the calling thread instead while the environment's `InlineBudget` allows it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class CopyDispatcher:
     ``transfers`` and ``libraries`` are the registry's own (library name, transfer)
     list and name -> library map, which it changes in place: the dispatcher reads
     them on every call. ``budget`` decides which copies run inline (see
-    :class:`InlineBudget`); the default budget if None.
+    `InlineBudget`); the default budget if None.
     """
 
     __slots__ = (

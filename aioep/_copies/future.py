@@ -209,7 +209,7 @@ class CopyFuture:
 
     def _add_waker(self, wake: Callable[[], None]) -> bool:
         """Register a wake-up of an awaiting loop (``wait_for``'s ``register``); False when
-        the backend cannot call back (``wait_for`` then polls :meth:`_finished`)."""
+        the backend cannot call back (``wait_for`` then polls `_finished`)."""
         if not self._calls_back:
             return False
         with self._lock:

@@ -46,7 +46,7 @@ class CopyWorkers:
         """Run ``fn()`` on a worker thread (a new one if none is idle and there is room).
 
         Raises:
-            ClosedError: after :meth:`shutdown`.
+            ClosedError: after `shutdown`.
         """
         with self._lock:
             threads = self._threads

@@ -126,7 +126,7 @@ class HostDataTransfer(DataTransfer):
     """Copies between any host-accessible memories (host RAM, pinned memory of any backend).
 
     Small batches are copied inline on the caller (the core decides, within its inline
-    budget: see :meth:`can_copy_inline`). Large ones are split into one contiguous
+    budget: see `can_copy_inline`). Large ones are split into one contiguous
     share per worker thread (the calling thread copies the first share), each
     copied with as few ``memmove`` calls as possible: memmove releases the GIL,
     and one long call per thread keeps the C library on its fastest path for

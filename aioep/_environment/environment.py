@@ -177,7 +177,7 @@ class Environment(AsyncResource):
         backend_options: per-backend factory options, e.g. ``{"sim": {"latency_us": 50}}``.
         inline_budget_us: the most event-loop time, in microseconds, one piece of host
             work may take to run inline instead of hopping to a thread (a small copy);
-            measured per kind of work, see :attr:`inline_budget`. 0 runs nothing
+            measured per kind of work, see `inline_budget`. 0 runs nothing
             inline; default 20 (``aioep.abc.DEFAULT_INLINE_BUDGET_US``).
     """
 

@@ -44,7 +44,7 @@ class DataTransfer(abc.ABC):
         """Copy ``nbytes`` of each (source, destination) pair.
 
         With ``stream=None`` copy synchronously (the core calls this off the
-        event loop, or on it for a batch :meth:`can_copy_inline` accepts while the
+        event loop, or on it for a batch `can_copy_inline` accepts while the
         environment's inline budget allows). With a stream, enqueue the copies in order
         on it and return at once. The pairs are already validated: equal sizes, no
         overlaps, ``can_copy`` true.
@@ -58,7 +58,7 @@ class DataTransfer(abc.ABC):
         For such a batch the core times the copy and may run it on the calling thread
         (the event loop) instead of handing it to a thread, while it costs less than the
         environment's inline budget (``Environment(inline_budget_us=...)``); on an
-        :class:`~aioep.abc.ThreadStream` it runs ``copy_tensors(pairs, None)`` in the
+        `aioep.abc.ThreadStream` it runs ``copy_tensors(pairs, None)`` in the
         stream's order itself (inline while the stream is idle, else on its worker).
         Called on the caller's thread for every batch: keep it cheap.
         """
@@ -72,7 +72,7 @@ class DataTransfer(abc.ABC):
         default) to have the core run ``copy_tensors(pairs, None)`` on a copy worker.
         Either way the thread that finishes the copies wakes the awaiting task: one
         hop. Called on the caller's thread, often the event loop: it must not wait.
-        Not called for a batch :meth:`can_copy_inline` accepts (the core's copy workers
+        Not called for a batch `can_copy_inline` accepts (the core's copy workers
         run those, and time them for the inline budget).
         """
         return None

@@ -278,7 +278,7 @@ class ThreadStream(StreamImpl):
     is not blocked.
 
     When the stream is idle (nothing queued, nothing running), a notification
-    recorded on it completes at once, and :meth:`run_inline` (or
+    recorded on it completes at once, and `run_inline` (or
     ``enqueue(fn, inline=True)``) runs ``fn`` on the calling thread, as a driver does
     with a small pageable copy. Only run work inline that never blocks (a small memcpy);
     the core does so for copies within the environment's inline budget.

@@ -1,12 +1,12 @@
 """The one event-loop-specific piece: wake a waiting task from any thread.
 
 A backend signals completion from its own thread (a stream worker, a driver's
-dispatcher thread). :func:`wait_for` registers a thread-safe callback that schedules the
+dispatcher thread). `wait_for` registers a thread-safe callback that schedules the
 waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on asyncio, the
 run's ``TrioToken`` on trio. That is the one hop of a completion: the thread that learns
 the work is done wakes the loop itself. Completions that arrive together (one pass of a
 stream worker over several marks, a dispatcher finding many events done) share one
-wake-up: each loop has one :class:`LoopWaker` that collects them and wakes the loop once
+wake-up: each loop has one `LoopWaker` that collects them and wakes the loop once
 per batch. No thread is parked per waiter and nothing spins; cancelling the wait abandons
 it and leaves the device work alone.
 """
@@ -33,7 +33,7 @@ Register = Callable[[Callable[[], None]], bool]
 class LoopWaker:
     """Wakes one event loop from any thread, once per batch of completions.
 
-    :meth:`wake` files a waiter (an asyncio future, a trio event) to be woken on the loop
+    `wake` files a waiter (an asyncio future, a trio event) to be woken on the loop
     by ``fire(waiter)``; the first one filed since the loop last ran the batch schedules
     the batch (``call_soon_threadsafe`` on asyncio, ``TrioToken.run_sync_soon`` on trio);
     the others only join it.
@@ -79,7 +79,7 @@ _wakers_lock = threading.Lock()
 
 
 def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
-    """The :class:`LoopWaker` of an asyncio loop or of a trio run's ``TrioToken``."""
+    """The `LoopWaker` of an asyncio loop or of a trio run's ``TrioToken``."""
     global _last
     last = _last
     if last is not None and last[0]() is loop:

@@ -463,7 +463,7 @@ _pointer_at = ctypes.c_void_p.from_address
 
 def checked_host_tensor(array: npt.NDArray[Any], *, readonly: bool) -> Tensor:
     """A tensor over ``array``, which the caller checked is a C-contiguous numpy array of
-    plain values (what :meth:`Tensor.from_numpy` checks): what numpy knows (address, size,
+    plain values (what `Tensor.from_numpy` checks): what numpy knows (address, size,
     shape, dtype) is taken as it is, not derived or validated again."""
     nbytes = array.nbytes
     # A writable one's address comes straight through the buffer protocol (data_address).

@@ -53,9 +53,9 @@ class SimDataTransfer(DataTransfer):
     engine, and peer copies the source's D2H and the target's H2D engines.
 
     Free copies (no latency, no bandwidth limit) are plain memmoves
-    (:meth:`can_copy_inline`): the core runs small ones on the caller while its inline
+    (`can_copy_inline`): the core runs small ones on the caller while its inline
     budget allows. Copies without a stream otherwise go to one of the device's own
-    streams (:meth:`enqueue_unstreamed`), whose worker wakes the awaiting task.
+    streams (`enqueue_unstreamed`), whose worker wakes the awaiting task.
     """
 
     def __init__(self, devices: Mapping[int, SimDevice], options: SimOptions) -> None:
