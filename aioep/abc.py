@@ -4,20 +4,24 @@ A backend imports from [`aioep`][aioep] and [`aioep.abc`][aioep.abc] only; the p
 behind them may change between releases (an import-linter contract keeps the
 in-tree backends to this rule).
 
-A backend is an :class:`EpFactory` subclass registered in the entry-point group
-``aioep.backends``. It offers :class:`aioep.EpDevice` objects, an
-:class:`Allocator` per memory info, optionally a :class:`DataTransfer` (copying
-:data:`CopyPair` lists), streams (:class:`StreamImpl` / :class:`NotificationImpl`;
-:class:`ThreadStream` is a ready one driven by a worker thread, :class:`HostNotification`
-a ready notification completed by host code; :class:`HostAllocator` is a ready
-allocator of aligned host memory, e.g. for a HOST_ACCESSIBLE memory info) and an
-:class:`ExternalDataLoader` (:class:`ChunkedExternalDataLoader` is the built-in one).
-A data transfer whose copies are plain host memcpys says so
-(``DataTransfer.can_copy_inline``): the core then runs small ones inline on the event loop
-while an `InlineBudget` (the environment's) measures them within budget.
-Its options are parsed with :func:`parse_int_option`, :func:`parse_float_option`,
-:func:`parse_bool_option`, :func:`parse_choice_option` and
-:func:`reject_unknown_options`, so every backend reads a value the same way.
+A backend is an [`EpFactory`][aioep.abc.EpFactory] subclass registered in the entry-point group
+``aioep.backends``. It offers [`aioep.EpDevice`][aioep.EpDevice] objects, an
+[`Allocator`][aioep.abc.Allocator] per memory info, optionally a
+[`DataTransfer`][aioep.abc.DataTransfer] (copying [`CopyPair`][aioep.abc.CopyPair] lists), streams
+([`StreamImpl`][aioep.abc.StreamImpl] / [`NotificationImpl`][aioep.abc.NotificationImpl];
+[`ThreadStream`][aioep.abc.ThreadStream] is a ready one driven by a worker thread,
+[`HostNotification`][aioep.abc.HostNotification] a ready notification completed by host code;
+[`HostAllocator`][aioep.abc.HostAllocator] is a ready allocator of aligned host memory, e.g. for a
+HOST_ACCESSIBLE memory info) and an [`ExternalDataLoader`][aioep.abc.ExternalDataLoader]
+([`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader] is the built-in one). A data
+transfer whose copies are plain host memcpys says so (``DataTransfer.can_copy_inline``): the core
+then runs small ones inline on the event loop while an `InlineBudget` (the environment's) measures
+them within budget. Its options are parsed with [`parse_int_option`][aioep.abc.parse_int_option],
+[`parse_float_option`][aioep.abc.parse_float_option],
+[`parse_bool_option`][aioep.abc.parse_bool_option],
+[`parse_choice_option`][aioep.abc.parse_choice_option] and
+[`reject_unknown_options`][aioep.abc.reject_unknown_options], so every backend reads a value the
+same way.
 
 For sessions it offers an [`Ep`][aioep.abc.Ep]: ``get_capability`` looks at a
 [`GraphView`][aioep.abc.GraphView] ([`Node`][aioep.abc.Node], [`ValueInfo`][aioep.abc.ValueInfo],
