@@ -12,6 +12,7 @@ import nothing else.
 # import-linter contracts in pyproject.toml. This module and aioep.abc sit on top and
 # only re-export; a test checks their names and docstrings.
 
+from ._base.budget import InlineBudget as InlineBudget
 from ._base.errors import ClosedError as ClosedError
 from ._base.errors import DeviceError as DeviceError
 from ._base.errors import EpError as EpError
@@ -87,6 +88,7 @@ __all__ = [
     "IOBinding",
     "IndexedSubGraph",
     "Initializer",
+    "InlineBudget",
     "InvalidArgument",
     "LiveBuffers",
     "MemoryDevice",

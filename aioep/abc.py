@@ -13,8 +13,10 @@ A backend is an [`EpFactory`][aioep.abc.EpFactory] subclass registered in the en
 [`HostNotification`][aioep.abc.HostNotification] a ready notification completed by host code;
 [`HostAllocator`][aioep.abc.HostAllocator] is a ready allocator of aligned host memory, e.g. for a
 HOST_ACCESSIBLE memory info) and an [`ExternalDataLoader`][aioep.abc.ExternalDataLoader]
-([`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader] is the built-in one). Its
-options are parsed with [`parse_int_option`][aioep.abc.parse_int_option],
+([`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader] is the built-in one). A data
+transfer whose copies are plain host memcpys says so (``DataTransfer.can_copy_inline``): the core
+then runs small ones inline on the event loop while an `InlineBudget` (the environment's) measures
+them within budget. Its options are parsed with [`parse_int_option`][aioep.abc.parse_int_option],
 [`parse_float_option`][aioep.abc.parse_float_option],
 [`parse_bool_option`][aioep.abc.parse_bool_option],
 [`parse_choice_option`][aioep.abc.parse_choice_option] and
@@ -37,6 +39,8 @@ take other libraries' tensors (DLPack, CUDA Array Interface) on the backend's de
 
 import typing
 
+from ._base.budget import DEFAULT_INLINE_BUDGET_US as DEFAULT_INLINE_BUDGET_US
+from ._base.budget import InlineBudget as InlineBudget
 from ._base.options import parse_bool_option as parse_bool_option
 from ._base.options import parse_choice_option as parse_choice_option
 from ._base.options import parse_float_option as parse_float_option
@@ -81,6 +85,7 @@ CopyPair: typing.TypeAlias = _CopyPair
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_INLINE_BUDGET_US",
     "HOST_MEMORY_INFO",
     "Allocator",
     "ChunkedExternalDataLoader",
@@ -99,6 +104,7 @@ __all__ = [
     "HostNotification",
     "IndexedSubGraph",
     "Initializer",
+    "InlineBudget",
     "MemoryImporter",
     "MetaDef",
     "Node",

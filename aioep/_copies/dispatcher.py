@@ -1,28 +1,39 @@
 """The copy dispatcher: ``copy_tensors`` end to end (validate, plan, run inline, on a
-stream or on the copy executor, return the future) and the copies in flight."""
+stream, in a backend's own queue or on the copy workers, return the future) and the copies
+in flight.
+
+Every completion costs one hop: the thread that finishes a copy (a stream's worker, a
+backend's dispatcher, a copy worker) completes the copy's notification, which wakes the
+awaiting loop. Copies whose transfer can run them on the host (``can_copy_inline``) run on
+the calling thread instead while the environment's `InlineBudget` allows it.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._base.budget import InlineBudget
 from .._base.errors import InvalidArgument, translate_backend_error
+from .._base.types import HOST_MEMORY_DEVICE
 from .._devices.host import HOST_EP_NAME, lower_thread_priority
 from .._interop.foreign import import_copy_args, importers_of
 from .._interop.importer import MemoryImporter
-from .._memory.transfer import CopyPlan, DataTransfer, TensorLike, plan_copies
+from .._memory.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
 from .._streams.notification import Notification, wait_blocking
 from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
 from .._tensors.ownership import Scope
-from .._tensors.tensor import Tensor
+from .._tensors.tensor import Tensor, checked_host_tensor
 from .future import CopyFuture
+from .workers import CopyWorkers
 
 if TYPE_CHECKING:
     from .._environment.registry import Library
@@ -30,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["CopyDispatcher"]
 
 _FAST_PATH_MAX_PAIRS = 4
+_HOST_ROUTE: Hashable = (HOST_MEMORY_DEVICE, HOST_MEMORY_DEVICE)
+"""The inline budget's kind for host-to-host copies (the key of every copy is its route)."""
 
 
 class CopyDispatcher:
@@ -37,17 +50,19 @@ class CopyDispatcher:
 
     ``transfers`` and ``libraries`` are the registry's own (library name, transfer)
     list and name -> library map, which it changes in place: the dispatcher reads
-    them on every call.
+    them on every call. ``budget`` decides which copies run inline (see
+    `InlineBudget`); the default budget if None.
     """
 
     __slots__ = (
-        "_executor",
+        "_budget",
         "_inflight",
         "_libraries",
         "_lock",
         "_routes",
         "_scope",
         "_transfers",
+        "_workers",
     )
 
     def __init__(
@@ -55,14 +70,21 @@ class CopyDispatcher:
         transfers: list[tuple[str, DataTransfer]],
         libraries: Mapping[str, Library],
         scope: Scope | None = None,
+        budget: InlineBudget | None = None,
     ) -> None:
         self._scope = scope  # the environment's: device tensors of others are refused
         self._transfers = transfers
         self._libraries = libraries
+        self._budget = budget if budget is not None else InlineBudget()
         self._lock = threading.Lock()
         self._inflight: dict[CopyFuture, frozenset[str]] = {}
         self._routes = RouteCache()  # un-streamed copies; each SyncStream has its own
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers: CopyWorkers | None = None
+
+    @property
+    def budget(self) -> InlineBudget:
+        """The inline budget this dispatcher's copies are measured against."""
+        return self._budget
 
     def copy(
         self,
@@ -78,9 +100,9 @@ class CopyDispatcher:
                 f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
             )
         if stream is None and not allow_reshape:
-            done = _copy_small_arrays(src, dst, self._transfers)
+            done = _copy_small_arrays(src, dst, self._transfers, self._budget)
             if done is not None:
-                return CopyFuture.completed(done, Notification(_Completed(None)))
+                return CopyFuture.completed(done, _COMPLETED)
         # Foreign tensors (DLPack, CUDA Array Interface) become tensors here.
         src, dst, waits = import_copy_args(src, dst, self._importers, stream)
         # The registry changes its list in place, maybe from another thread: route over a
@@ -105,7 +127,7 @@ class CopyDispatcher:
         impl = stream.impl
         # A worker-thread stream packs strided sources itself, in order before the copies.
         # Other streams (CUDA) may read the sources as soon as a copy is enqueued.
-        in_order_worker = isinstance(impl, ThreadStream)
+        worker = impl if isinstance(impl, ThreadStream) else None
         plan = plan_copies(
             src,
             dst,
@@ -114,19 +136,24 @@ class CopyDispatcher:
             stream_library=stream_lib,
             allow_reshape=allow_reshape,
             routes=stream._routes,
-            defer_packing=in_order_worker,
+            defer_packing=worker is not None,
             scope=self._scope,
         )
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+            return CopyFuture.completed(plan.dst, _COMPLETED)
         for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
             stream.wait(Notification(wait))
         if plan.packs:
-            assert isinstance(impl, ThreadStream)  # only such streams defer packing
-            impl.enqueue(plan.pack)
+            assert worker is not None  # only such streams defer packing
+            worker.enqueue(plan.pack)
+        # The worker is woken by the first copy queued: it wakes up while the rest of the
+        # batch, its mark and its future are made here.
         for transfer, pairs in plan.groups:
             try:
-                transfer.copy_tensors(pairs, impl)
+                if worker is None or not transfer.can_copy_inline(pairs):
+                    transfer.copy_tensors(pairs, impl)
+                else:
+                    self._copy_on_worker(worker, transfer, pairs)
             except Exception as exc:
                 error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
                 if error is exc:
@@ -140,6 +167,21 @@ class CopyDispatcher:
             self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
 
+    def _copy_on_worker(
+        self, worker: ThreadStream, transfer: DataTransfer, pairs: list[CopyPair]
+    ) -> None:
+        """A batch a host memcpy can do, on a worker-thread stream: inline (in the stream's
+        order) while the stream is idle and the budget allows, else queued on its worker
+        and timed there."""
+        kind, nbytes = _route_of(pairs), _nbytes(pairs)
+        budget = self._budget
+        copy = transfer.copy_tensors
+        if budget.allows(kind, nbytes) and worker.run_inline(
+            functools.partial(budget.run, kind, nbytes, copy, pairs, None)
+        ):
+            return
+        worker.enqueue(functools.partial(budget.run_off_loop, kind, nbytes, copy, pairs, None))
+
     def _stream_library(self, stream: SyncStream) -> str:
         for lib in self._libraries.values():
             if stream in lib.streams:
@@ -152,70 +194,76 @@ class CopyDispatcher:
 
     def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, Notification(_Completed(None)))
+            return CopyFuture.completed(plan.dst, _COMPLETED)
         if waits:
             waits = [w for w in waits if not w.query()]
         if waits:
             # A producer's stream still has work before the data is ready: wait for it on a
-            # copy thread, never on the loop.
-            signal = HostNotification()
-            what = " / ".join(_describe(t) for t, _ in plan.groups)
-            mark = Notification(signal)
-            _note_use(plan, mark)
-            future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
-            self._get_executor().submit(_run_plan_after, waits, plan, signal)
-            self._track(future, frozenset(plan.libraries))
-            return future
-        if plan.inline:
+            # copy worker, never on the loop.
+            return self._on_workers(plan, functools.partial(_run_plan_after, waits))
+        budget = self._budget
+        if not plan.packs and all(
+            t.can_copy_inline(p) and budget.allows(_route_of(p), _nbytes(p)) for t, p in plan.groups
+        ):
             # Small host-side batches: a few memcpys cost less than any hand-off to a thread.
-            failure = _run_groups(plan)
+            failure = _run_groups(plan, budget, inline=True)
             what = "copy_tensors" if failure is None else _describe(failure[0])
             error = None if failure is None else failure[1]
-            return CopyFuture.completed(plan.dst, Notification(_Completed(error)), what)
+            done = _COMPLETED if error is None else Notification(_Completed(error))
+            return CopyFuture.completed(plan.dst, done, what)
         if len(plan.groups) == 1 and not plan.packs:
-            # The backend may enqueue the batch on a stream of its own (no worker-thread hop,
-            # no thread blocked until the device is done).
+            # The backend may enqueue the batch on a queue of its own (a stream): its thread
+            # wakes the awaiter, no copy worker in between, no thread blocked meanwhile.
+            # Copies a host memcpy can do stay with the copy workers, which time them for
+            # the budget.
             transfer, pairs = plan.groups[0]
-            try:
-                started = transfer.enqueue_unstreamed(pairs)
-            except Exception as exc:
-                error = translate_backend_error(exc, f"enqueueing copies ({_describe(transfer)})")
-                if error is exc:
-                    raise
-                raise error from exc
+            started = None
+            if not transfer.can_copy_inline(pairs):
+                try:
+                    started = transfer.enqueue_unstreamed(pairs)
+                except Exception as exc:
+                    what = f"enqueueing copies ({_describe(transfer)})"
+                    error = translate_backend_error(exc, what)
+                    if error is exc:
+                        raise
+                    raise error from exc
             if started is not None:
-                future = CopyFuture(
-                    plan.src + plan.dst, plan.dst, Notification(started), _describe(transfer)
-                )
+                mark = Notification(started)
+                _note_use(plan, mark)
+                future = CopyFuture(plan.src + plan.dst, plan.dst, mark, _describe(transfer))
                 if not future.done():
                     self._track(future, frozenset(plan.libraries))
                 return future
+        return self._on_workers(plan, _run_plan)
+
+    def _on_workers(
+        self, plan: CopyPlan, run: Callable[[CopyPlan, InlineBudget, HostNotification], None]
+    ) -> CopyFuture:
+        """Run ``plan`` on a copy worker, which completes the future's notification."""
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
         mark = Notification(signal)
         _note_use(plan, mark)
         future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
-        self._get_executor().submit(_run_plan, plan, signal)
+        self._get_workers().submit(functools.partial(run, plan, self._budget, signal))
         if not future.done():
             self._track(future, frozenset(plan.libraries))
         return future
 
     def _track(self, future: CopyFuture, libraries: frozenset[str]) -> None:
         self._inflight[future] = libraries
-        future.add_done_callback(self._forget)
+        future._when_done(self._forget)
 
     def _forget(self, future: CopyFuture) -> None:
         self._inflight.pop(future, None)
 
-    def _get_executor(self) -> ThreadPoolExecutor:
+    def _get_workers(self) -> CopyWorkers:
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=max(4, os.cpu_count() or 1),
-                    thread_name_prefix="aioep-copy",
-                    initializer=lower_thread_priority,
+            if self._workers is None:
+                self._workers = CopyWorkers(
+                    max(4, os.cpu_count() or 1), "aioep-copy", lower_thread_priority
                 )
-            return self._executor
+            return self._workers
 
     async def drain(self) -> None:
         """Wait for the batches in flight (their failures are their awaiters' business)."""
@@ -241,82 +289,108 @@ class CopyDispatcher:
         )
 
     def shutdown(self) -> None:
-        """Wait for the executor's copies and stop its threads (a later copy starts anew)."""
+        """Wait for the copy workers' copies and stop them (a later copy starts anew)."""
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown()
 
 
 def _copy_small_arrays(
     src: Sequence[TensorLike],
     dst: Sequence[TensorLike],
     transfers: Sequence[tuple[str, DataTransfer]],
+    budget: InlineBudget,
 ) -> list[Tensor] | None:
     """Copy a small batch of plain numpy arrays inline and return the destination tensors,
     or None (having written nothing) for anything else, which takes the general path.
 
     A 4 KiB ``await copy_tensors`` is dominated by per-call overhead; this path skips
-    building source tensors and the routing machinery. It only accepts what the general
-    path would accept and route to the host transfer inline, so every error still comes
-    from the general path with its full message.
+    building source tensors and the routing machinery, and checks each array once. It only
+    accepts what the general path would accept and route to the host transfer inline
+    (within the inline budget), so every error still comes from the general path with its
+    full message.
     """
-    if type(src) not in (list, tuple) or type(dst) not in (list, tuple):
+    if (type(src) is not list and type(src) is not tuple) or (
+        type(dst) is not list and type(dst) is not tuple
+    ):
         return None
     n = len(src)
     if n == 0 or n != len(dst) or n > _FAST_PATH_MAX_PAIRS or not transfers:
         return None
-    host = transfers[0][1]
     if transfers[0][0] != HOST_EP_NAME:
         return None
-    budget = host.max_inline_bytes
-    arrays = [*src, *dst]
-    for i, a in enumerate(arrays):
-        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.dtype.hasobject:
-            return None
-        if i >= n:
-            s = arrays[i - n]
-            if (
-                a.dtype != s.dtype  # type: ignore[union-attr]
-                or a.shape != s.shape  # type: ignore[union-attr]
-                or not a.flags.writeable
-            ):
-                return None
-            budget -= a.nbytes
-    if budget < 0:
-        return None
-    for i in range(n, 2 * n):  # a destination may overlap nothing else
-        for j in range(2 * n):
-            if j != i and np.may_share_memory(arrays[i], arrays[j]):
-                return None
+    nbytes = 0
     for k in range(n):
-        np.copyto(arrays[n + k], arrays[k], casting="no")  # type: ignore[arg-type]
-    return [Tensor.from_numpy(d) for d in arrays[n:]]  # type: ignore[arg-type]
+        s, d = src[k], dst[k]
+        if type(s) is not np.ndarray or type(d) is not np.ndarray:
+            return None
+        dtype = s.dtype
+        if (d.dtype is not dtype and d.dtype != dtype) or d.shape != s.shape or dtype.hasobject:
+            return None
+        sflags, dflags = s.flags, d.flags
+        if not (sflags.c_contiguous and dflags.c_contiguous and dflags.writeable):
+            return None
+        nbytes += s.nbytes
+    if not budget.allows(_HOST_ROUTE, nbytes):
+        return None
+    if n == 1:
+        if np.may_share_memory(dst[0], src[0]):
+            return None
+    else:
+        arrays = [*src, *dst]
+        for i in range(n, 2 * n):  # a destination may overlap nothing else
+            for j in range(2 * n):
+                if j != i and np.may_share_memory(arrays[i], arrays[j]):
+                    return None
+    start = perf_counter()
+    for k in range(n):
+        # Same shape and dtype, contiguous: an exact copy (cheaper than np.copyto's dispatch).
+        dst[k][...] = src[k]  # type: ignore[index]
+    budget.ran_inline(_HOST_ROUTE, nbytes, perf_counter() - start)
+    return [checked_host_tensor(d, readonly=False) for d in dst]  # type: ignore[arg-type]
+
+
+def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
+    """The inline budget's kind for a batch: its (first) pair's route."""
+    s, d = pairs[0]
+    return (s.buffer.memory_info.device, d.buffer.memory_info.device)
+
+
+def _nbytes(pairs: Sequence[CopyPair]) -> int:
+    return sum(s._nbytes for s, _ in pairs)
 
 
 def _describe(transfer: DataTransfer) -> str:
     return f"{type(transfer).__name__}.copy_tensors"
 
 
-def _run_groups(plan: CopyPlan) -> tuple[DataTransfer, BaseException] | None:
+def _run_groups(
+    plan: CopyPlan, budget: InlineBudget, *, inline: bool
+) -> tuple[DataTransfer, BaseException] | None:
     """Run an un-streamed plan; on failure, the transfer that failed and its exception.
 
+    Copies a host memcpy can do are timed for the budget (as inline or off-loop runs).
     The exception is handed on as the backend raised it: the future translates it,
     once, into the `DeviceError` it raises (chained to it).
     """
     plan.pack()
     for transfer, pairs in plan.groups:
         try:
-            transfer.copy_tensors(pairs, None)
+            if transfer.can_copy_inline(pairs):
+                run = budget.run if inline else budget.run_off_loop
+                run(_route_of(pairs), _nbytes(pairs), transfer.copy_tensors, pairs, None)
+            else:
+                transfer.copy_tensors(pairs, None)
         except BaseException as exc:
             return transfer, exc
     return None
 
 
-def _run_plan(plan: CopyPlan, signal: HostNotification) -> None:
-    failure = _run_groups(plan)
-    # The executor's work item holds `plan` until after this returns, and the signal may wake
-    # the awaiter first: drop the batch's tensors now (the future holds what it needs).
+def _run_plan(plan: CopyPlan, budget: InlineBudget, signal: HostNotification) -> None:
+    failure = _run_groups(plan, budget, inline=False)
+    # The work item holds `plan` until after this returns, and the signal may wake the
+    # awaiter first: drop the batch's tensors now (the future holds what it needs).
     plan.src.clear()
     plan.dst.clear()
     plan.groups.clear()
@@ -334,7 +408,10 @@ def _note_use(plan: CopyPlan, done: Notification) -> None:
 
 
 def _run_plan_after(
-    waits: list[NotificationImpl], plan: CopyPlan, signal: HostNotification
+    waits: list[NotificationImpl],
+    plan: CopyPlan,
+    budget: InlineBudget,
+    signal: HostNotification,
 ) -> None:
     for wait in waits:
         wait.wait_on_host(None)
@@ -342,7 +419,7 @@ def _run_plan_after(
         if error is not None:
             signal.set(error)
             return
-    _run_plan(plan, signal)
+    _run_plan(plan, budget, signal)
 
 
 class _Completed(NotificationImpl):
@@ -371,3 +448,7 @@ class _Completed(NotificationImpl):
 
     def wait_on_host(self, timeout: float | None) -> bool:
         return True
+
+
+_COMPLETED = Notification(_Completed(None))
+"""The notification of every copy that finished without error before its future was made."""

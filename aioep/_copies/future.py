@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
 from .._streams.notification import Notification, device_error
 from .._streams.stream_impl import call_reporting
-from .._streams.wake import wait_for, warn_if_blocking_loop
+from .._streams.wake import checkpoint, wait_for, warn_if_blocking_loop
 from .._tensors.tensor import Tensor
 
 __all__ = ["CopyFuture", "CopyStatus"]
@@ -39,12 +40,15 @@ class CopyFuture:
     __slots__ = (
         "__weakref__",
         "_callbacks",
+        "_calls_back",
         "_dst",
         "_error",
         "_keepalive",
         "_lock",
         "_notification",
+        "_on_done",
         "_status",
+        "_wakers",
         "_what",
     )
 
@@ -66,14 +70,26 @@ class CopyFuture:
         self._notification = notification
         self._what = what
         self._keepalive: list[Tensor] | None = None
+        # [wake-ups of awaiting loops], run once the done-callbacks ran (then [None]). Held
+        # in a box of its own: what runs them must not keep the future alive meanwhile.
+        self._wakers: list[list[Callable[[], None]] | None] = [[]]
+        self._on_done: Callable[[CopyFuture], None] | None = None
+        self._calls_back = True
         if notification.impl.query():  # already complete (an idle stream ran it inline)
             self._settle()  # nobody else can see this future yet: no lock, no callbacks
+            self._wakers[0] = None
             return
         self._keepalive = list(keepalive)
         for t in self._keepalive:
             t.buffer._pin()
         # If the backend cannot call back, completion is found by done(), await or wait().
-        notification.impl.add_done_callback(self._complete)
+        self._calls_back = notification.impl.add_done_callback(self._complete)
+        if self._calls_back:
+            # Runs after _complete returned: the awaiters resume once the done-callbacks ran,
+            # and nothing on the completing thread holds the future any more.
+            notification.impl.add_done_callback(
+                functools.partial(_wake_awaiters, self._lock, self._wakers)
+            )
 
     @classmethod
     def completed(
@@ -104,9 +120,27 @@ class CopyFuture:
             del keepalive  # a completed future holds no source buffer
             callbacks, self._callbacks = self._callbacks, []
             self._settle()
+            on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            call_reporting(on_done, self)
         callbacks.reverse()
         while callbacks:  # drop each before the next runs; one that raises is logged
             call_reporting(callbacks.pop(), self)
+        if not self._calls_back:  # completed by done() on the awaiting thread itself
+            _wake_awaiters(self._lock, self._wakers)
+
+    def _finished(self) -> bool:
+        """True once completed and its done-callbacks ran (completing it here if the copies
+        are done and nobody else did)."""
+        return self._wakers[0] is None or (self.done() and self._wakers[0] is None)
+
+    def _when_done(self, fn: Callable[[CopyFuture], None]) -> None:
+        """The copy machinery's own done-callback (one; not one a user waits behind)."""
+        with self._lock:
+            if self._status is CopyStatus.PENDING:
+                self._on_done = fn
+                return
+        fn(self)
 
     def _settle(self) -> None:
         err = self._notification.impl.error()
@@ -177,17 +211,38 @@ class CopyFuture:
                 return
         call_reporting(fn, self)
 
-    async def _wait_async(self) -> list[Tensor]:
-        impl = self._notification.impl
-        await wait_for(impl.add_done_callback, impl.query)
+    def _add_waker(self, wake: Callable[[], None]) -> bool:
+        """Register a wake-up of an awaiting loop (``wait_for``'s ``register``); False when
+        the backend cannot call back (``wait_for`` then polls `_finished`)."""
+        if not self._calls_back:
+            return False
+        with self._lock:
+            wakers = self._wakers[0]
+            if wakers is not None:
+                wakers.append(wake)
+                return True
+        wake()  # finished meanwhile
+        return True
+
+    def __await__(self) -> Generator[Any, None, list[Tensor]]:
+        if self._wakers[0] is not None:
+            # Woken by the thread that completes it, once its done-callbacks ran.
+            yield from wait_for(self._add_waker, self._finished).__await__()
+        else:
+            yield from checkpoint()  # an await always yields once, even when done
         try:
             return self.result()
         finally:
             del self  # see result()
 
-    def __await__(self) -> Generator[Any, None, list[Tensor]]:
-        return self._wait_async().__await__()
-
     def __repr__(self) -> str:
         n = len(self._dst)
         return f"<CopyFuture {self._status.value} {n} tensor{'s' if n != 1 else ''}>"
+
+
+def _wake_awaiters(lock: threading.Lock, box: list[list[Callable[[], None]] | None]) -> None:
+    """Wake the tasks awaiting a future (its box of wake-ups), once."""
+    with lock:
+        wakers, box[0] = box[0], None
+    for wake in wakers or ():
+        wake()  # a LoopWaker's wake: never raises

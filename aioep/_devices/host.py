@@ -87,6 +87,26 @@ class HostAllocator(Allocator):
 
 _memmove = ctypes.memmove  # a C call that releases the GIL while it copies
 
+
+def _gil_holding_memmove() -> Any:
+    try:
+        # PyDLL: the call keeps the GIL (libc's memmove, found in the process's own symbols).
+        memmove = ctypes.PyDLL(None).memmove
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - no dlopen(NULL) here
+        return _memmove
+    memmove.restype = ctypes.c_void_p
+    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memmove
+
+
+small_memmove = _gil_holding_memmove()
+"""``memmove(dst, src, n)`` that keeps the GIL: for copies up to ``SMALL_COPY_BYTES``,
+where giving the GIL up costs more than the copy and lets another thread take it for as
+long as it wants (on the loop thread, an inline copy would then wait for it)."""
+
+SMALL_COPY_BYTES = 64 << 10
+"""Copies up to this size keep the GIL (``small_memmove``); larger ones release it."""
+
 COPY_THREAD_NICE = 5
 """Niceness of aioep's copy worker threads (Linux): when the event loop's thread wakes up
 it gets a core at once instead of waiting for a copying thread's time slice."""
@@ -108,7 +128,8 @@ def lower_thread_priority(nice: int = COPY_THREAD_NICE) -> None:
 class HostDataTransfer(DataTransfer):
     """Copies between any host-accessible memories (host RAM, pinned memory of any backend).
 
-    Small batches are copied inline. Large ones are split into one contiguous
+    Small batches are copied inline on the caller (the core decides, within its inline
+    budget: see `can_copy_inline`). Large ones are split into one contiguous
     share per worker thread (the calling thread copies the first share), each
     copied with as few ``memmove`` calls as possible: memmove releases the GIL,
     and one long call per thread keeps the C library on its fastest path for
@@ -116,7 +137,6 @@ class HostDataTransfer(DataTransfer):
     chunks would fall below).
     """
 
-    max_inline_bytes = 256 * 1024
     parallel_threshold = 4 * 1024 * 1024
     """A batch this large or larger is split across threads (each share at least this big)."""
 
@@ -132,23 +152,25 @@ class HostDataTransfer(DataTransfer):
     def can_use_stream(self, stream: StreamImpl) -> bool:
         return isinstance(stream, ThreadStream)
 
+    def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
+        """True unless the batch is big enough to be split across threads (which waits
+        for them): every other batch is a memmove on the calling thread."""
+        return sum(s._nbytes for s, _ in pairs) < 2 * self.parallel_threshold
+
     def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
         jobs = [(d.data_ptr, s.data_ptr, s.nbytes) for s, d in pairs if s.nbytes]
         if stream is None:
             self._copy(jobs)
         else:
             assert isinstance(stream, ThreadStream)
-            # A small batch on an idle stream is copied right here: the stream's order is
-            # kept (nothing is ahead of it) and the hop to the worker thread is saved.
-            small = sum(n for _, _, n in jobs) <= self.max_inline_bytes
-            stream.enqueue(lambda: self._copy(jobs), inline=small)
+            stream.enqueue(lambda: self._copy(jobs))
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
         total = sum(n for _, _, n in jobs)
         parts = min(self._workers, total // self.parallel_threshold)
         if parts <= 1:
             for dst, src, n in jobs:
-                _memmove(dst, src, n)
+                (small_memmove if n <= SMALL_COPY_BYTES else _memmove)(dst, src, n)
             return
         shares = _split(jobs, parts)
         pool = self._get_pool()

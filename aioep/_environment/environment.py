@@ -24,6 +24,7 @@ import anyio.to_thread
 import numpy.typing as npt
 from anyio.abc import AsyncResource
 
+from .._base.budget import DEFAULT_INLINE_BUDGET_US, InlineBudget
 from .._base.errors import ClosedError, EpError, InvalidArgument
 from .._base.types import (
     AllocatorType,
@@ -188,6 +189,10 @@ class Environment(AsyncResource):
         backend_options: per-backend factory options, e.g. ``{"sim": {"latency_us": 50}}``.
         stream_pool_size: the most streams per EP device that `pooled_stream` lends
             (1 to 1024; default 4).
+        inline_budget_us: the most event-loop time, in microseconds, one piece of host
+            work may take to run inline instead of hopping to a thread (a small copy);
+            measured per kind of work, see `inline_budget`. 0 runs nothing
+            inline; default 20 (``aioep.abc.DEFAULT_INLINE_BUDGET_US``).
     """
 
     def __init__(
@@ -197,6 +202,7 @@ class Environment(AsyncResource):
         backends: Sequence[str] | None = None,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         stream_pool_size: int = DEFAULT_STREAM_POOL_SIZE,
+        inline_budget_us: float = DEFAULT_INLINE_BUDGET_US,
     ) -> None:
         check_type("Environment", "autoload", autoload, bool, "a bool")
         self._stream_pool_size = check_int(
@@ -206,6 +212,10 @@ class Environment(AsyncResource):
             minimum=1,
             maximum=MAX_STREAM_POOL_SIZE,
         )
+        try:
+            budget = InlineBudget(inline_budget_us)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"Environment: {exc}") from None
         names: list[str] | None = None
         if backends is not None:
             try:
@@ -234,7 +244,7 @@ class Environment(AsyncResource):
         self._allocators = SharedAllocators(self._lock, self._scope)
         self._registry = LibraryRegistry(self, self._allocators, self.load_errors, self._lock)
         self._copies = CopyDispatcher(
-            self._registry.transfers, self._registry.libraries, self._scope
+            self._registry.transfers, self._registry.libraries, self._scope, budget
         )
         # The registry's state and lookups, for sessions, loaders and tests.
         self._libraries = self._registry.libraries
@@ -242,6 +252,12 @@ class Environment(AsyncResource):
         self._library_of = self._registry.library_of
         self._open_streams = self._registry.open_streams
         self._track_session = self._registry.track_session
+
+    @property
+    def inline_budget(self) -> InlineBudget:
+        """Decides which small host work runs inline on the event loop: copies a host
+        memcpy does, while their measured cost stays within ``inline_budget_us``."""
+        return self._copies.budget
 
     @property
     def state(self) -> str:

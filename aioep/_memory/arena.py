@@ -14,11 +14,31 @@ since waited on a notification that A recorded after the free
 (``B.wait(A.record())``), or when A has completed all its work up to that point (A
 is idle or closed, or A's last recorded notification after the free is done).
 Otherwise the arena uses another chunk or extends.
+
+Threads. The arena's lock guards the pools. Two paths skip it: a request with no
+stream that finds a freed chunk waiting for it (a *hit*: its size class's list of
+small chunks, or a cached large chunk that fits, see ``StreamPool.take_cached``)
+takes it, and the release of a chunk that has such a list (its ``home``) puts it
+back there. Each list operation is one C call (``pop``, ``append``, ``remove``,
+``bisect.insort`` with a C key), which no other thread interleaves with under the
+GIL. The hit's bookkeeping (``_in_use``, ``_max_in_use``, ``_bytes_in_use``) is a
+few read-modify-writes of ints with no call in between, which a thread switch cannot
+split under the GIL either (CPython 3.10 to 3.13 switch threads only at calls and
+jumps), and hits count themselves with ``next()`` on an ``itertools.count``. A
+buffer's release claims its chunk by deleting the attribute: of two releases racing,
+one deletes it and the other gets ``AttributeError``. A free-threaded interpreter
+(``sys._is_gil_enabled()`` false) gives none of this: there the arena publishes no
+lists for hits and claims chunks under a lock, so every request takes the locked
+path (the lists still serve it, under the lock).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import operator
+import sys
 import threading
 
 from .._base.errors import ClosedError, InvalidArgument
@@ -33,33 +53,43 @@ from .bfc import MIN_ALLOCATION_SIZE, Chunk, Region
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
 
+# The lock-free paths (see the module docstring) need the GIL.
+_LOCK_FREE = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+# The hit path finds a small request's size class by its size >> 8 (classes are whole
+# multiples of the 256-byte unit); the table where hits are off.
+_TABLE_SHIFT = 8
+_NO_TABLE = (None,) * (PARK_MAX >> _TABLE_SHIFT)
+
 # Size classes: above 16 units (4 KiB for 256-byte units) a request rounds up to one of
 # 8 classes per power of two (at most 12.5% more), so freed chunks of nearby sizes are
-# interchangeable and a recurring size is a dict lookup (PyTorch's roundup_power2_divisions).
+# interchangeable and a recurring size is a list lookup (PyTorch's roundup_power2_divisions).
 _CLASS_BITS = 3
 _CLASS_SHIFT = _CLASS_BITS + 1
 # Above the fast path's sizes (PARK_MAX) classes are finer, 64 per power of two (at most
-# 1.6% more): big chunks are not parked, so coarse classes would only waste memory.
+# 1.6% more): big chunks are not kept by class (a cached one serves any request it fits
+# closely), so coarse classes would only waste memory.
 _FINE_SHIFT = 6 + 1
 
 _PIN_LOCK = threading.Lock()  # guards the pin counts of arena buffers (held for an increment)
 _new_buffer = object.__new__
+_insort = bisect.insort
+_KEY = operator.attrgetter("key")
 
 
 class _ArenaBuffer(Buffer):
     """An arena buffer: its release (``free()`` or the last reference going) hands the
     chunk back to the arena.
 
-    ``_chunk`` is the arena chunk until the arena takes it back; the arena clears it
-    under its lock, so a chunk comes back exactly once however often (and from however
-    many threads) the buffer is released. Each arena makes subclasses with its
-    ``memory_info`` and ``allocator`` (and, for host requests, ``stream``); what is the
-    same for every arena buffer is a class attribute here, so creating one sets five
-    slots (six with a stream).
+    ``_chunk`` is the arena chunk until the release claims it (deleting the attribute:
+    see the module docstring), so a chunk comes back exactly once however often, and
+    from however many threads, the buffer is released. Each arena makes subclasses
+    with its ``memory_info`` and ``allocator`` (and, for host requests, ``stream``);
+    what is the same for every arena buffer is a class attribute here, so creating
+    one sets five slots (six with a stream).
     """
 
     __slots__ = ("_chunk",)
-    _chunk: Chunk | None
+    _chunk: Chunk
     allocator: ArenaAllocator
     readonly = False
     _pin_lock = _PIN_LOCK
@@ -69,31 +99,78 @@ class _ArenaBuffer(Buffer):
     def _owner(self) -> object:  # type: ignore[override]
         # Views of host memory hold the region's backing object, so reading a freed
         # buffer through a view never touches unmapped memory.
-        chunk = self._chunk
+        chunk: Chunk | None = getattr(self, "_chunk", None)
         return None if chunk is None else chunk.region.handle._owner  # type: ignore[attr-defined]
 
     def _release(self) -> None:
-        """The arena buffers' release path (see ``Buffer._release``): the buffer joins the
-        arena's returned list, whose chunks the arena's next locked call takes back
-        (``ArenaAllocator._drain``). Appending to a list needs no lock, so a release never
-        waits for the arena, and a release that runs inside the arena's own locked code
-        (garbage collection calling ``__del__``) changes nothing under it. Memory that
-        must go back to the base at once (a reserved region, a closing arena) is taken
-        back now where the lock is free."""
+        """The arena buffers' release path (see ``Buffer._release``); it never waits for
+        the arena's lock. A chunk with a home list (a size class's freed chunks that
+        hits pop) goes back onto it; any other joins the arena's returned list, whose
+        chunks the arena's next locked call takes back (``ArenaAllocator._drain``).
+        Appending to a list needs no lock, and a release that runs inside the arena's
+        own locked code (garbage collection calling ``__del__``) changes nothing under
+        it. Memory that must go back to the base at once (a reserved region, a closing
+        arena) is taken back now where the lock is free."""
+        self._released = True
+        try:
+            chunk = self._chunk
+            del self._chunk  # the claim: a second release finds no chunk
+        except AttributeError:
+            return
+        arena = self.allocator
+        # No longer in use (a plain int update: see the module docstring). Its requested
+        # bytes stay counted until the chunk is handed out again or taken back.
+        arena._in_use -= chunk.size
+        home = chunk.home
+        if home is not None and (not home or len(home) < MAX_PARKED):
+            if home:
+                # Smallest first, then lowest address (hits pop(0)), as best fit would
+                # pick: one C call, which no thread switch splits.
+                _insort(home, chunk, key=_KEY)
+            else:
+                home.append(chunk)
+            if arena._lazy:
+                return
+            # The arena retired or closed meanwhile: its chunks take the locked way.
+            try:
+                home.remove(chunk)
+            except ValueError:
+                return  # the arena already took it back
+        else:
+            stream = chunk.tag
+            if stream is not None:
+                # The point in the stream's order after the work that used this chunk.
+                chunk.mark = stream._sync_id  # type: ignore[attr-defined]
+            if chunk.cls >= 0 and arena._lazy:
+                arena._returned.append(chunk)
+                return
+        arena._returned.append(chunk)
+        arena._settle()
+
+
+def _no_chunk(rounded: int) -> Chunk | None:
+    """``StreamPool.take_cached`` where hits are off."""
+    return None
+
+
+def _release_locked(self: _ArenaBuffer) -> None:
+    """``_ArenaBuffer._release`` without the GIL (see the module docstring): the claim
+    takes the pin lock, and every chunk goes through the returned list."""
+    with self._pin_lock:
         if self._released:
             return
         self._released = True
-        chunk = self._chunk
+        chunk: Chunk | None = getattr(self, "_chunk", None)
         if chunk is None:
             return
-        stream = chunk.tag
-        if stream is not None:
-            # The point in the stream's order after the work that used this chunk.
-            chunk.mark = stream._sync_id  # type: ignore[attr-defined]
-        arena = self.allocator
-        arena._returned.append(self)
-        if chunk.cls < 0 or not arena._lazy:
-            arena._settle()
+        del self._chunk
+    arena = self.allocator
+    stream = chunk.tag
+    if stream is not None:
+        chunk.mark = stream._sync_id  # type: ignore[attr-defined]
+    arena._returned.append(chunk)
+    if chunk.cls < 0 or not arena._lazy:
+        arena._settle()
 
 
 class ArenaAllocator(Allocator):
@@ -124,29 +201,50 @@ class ArenaAllocator(Allocator):
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
         self._returns = RegionReturns(lock, self._after_give_back)
         self._pool = pool = StreamPool(base, config, unit, self._returns)
-        self._parked = pool.parked  # the hot paths read the parked chunks directly
+        self._homes = pool.parked  # size class -> its list of freed host chunks (kept)
         self._stream_parked = pool.stream_parked
+        # Where hits look (while the arena is open, and has the GIL): the lists of freed
+        # small chunks by request size (entry i for sizes (i << 8, (i + 1) << 8], all of one
+        # size class), and the cached large chunks.
+        self._table: list[list[Chunk] | None] | tuple[None, ...] = _NO_TABLE
+        self._take_cached = _no_chunk
         # Buffers of this arena: memory info and allocator (and a host request's stream)
         # are class attributes, so a buffer is five stores.
-        attrs = {"__slots__": (), "memory_info": self.memory_info, "allocator": self}
+        attrs: dict[str, object] = {
+            "__slots__": (),
+            "memory_info": self.memory_info,
+            "allocator": self,
+        }
+        if not _LOCK_FREE:
+            attrs["_release"] = _release_locked
         self._buffer_class: type[_ArenaBuffer] = type("_ArenaBuffer", (_ArenaBuffer,), attrs)
         self._host_buffer_class: type[_ArenaBuffer] = type(
             "_ArenaBuffer", (self._buffer_class,), {"__slots__": (), "stream": None}
         )
         # Size classes need a power-of-two unit; otherwise every size is its own class.
         self._class_from = unit << (_CLASS_BITS + 1) if unit & (unit - 1) == 0 else SIZE_MAX
-        # Released buffers whose chunks the next locked call takes back (appended without
-        # the lock: see _ArenaBuffer._release), and the work such a call leaves for after
-        # the lock (regions to give back).
-        self._returned: list[_ArenaBuffer] = []
+        # Released chunks that the next locked call takes back (appended without the
+        # lock: see _ArenaBuffer._release), and the work such a call leaves for after the
+        # lock (regions to give back).
+        self._returned: list[Chunk] = []
         self._gone: list[Region] = []
         self._after = False  # work for _finish: regions to give back, a prompt release
         self._lazy = True  # open and not retired: a released chunk may wait for the next call
         self._section = False  # locked code that may run anything (so a release re-enters)
-        self._in_use = 0  # bytes of chunks handed out (rounded), as ORT's InUse
+        # Statistics. Bytes of chunks handed out (rounded, as ORT's InUse) and requested
+        # change on every request and release, hits included (see the module docstring);
+        # hits count themselves, and the live buffers are derived (see _live_chunks): the
+        # base class's _live_buffers and _num_allocs count null buffers and locked requests.
+        self._in_use = 0
         self._max_in_use = 0
+        self._hits = itertools.count()  # next() per hit: a count no thread switch splits
+        self._hits_read = 0  # next() calls that only read the count
         self._num_reserves = 0
         self._max_alloc_size = 0
+        if _LOCK_FREE:
+            self._table = self._size_table()
+            if pool.cache_large:
+                self._take_cached = pool.take_cached
 
     # -- public API --------------------------------------------------------------------------
     def alloc(self, nbytes: int, *, stream: SyncStream | None = None) -> Buffer:
@@ -156,8 +254,40 @@ class ArenaAllocator(Allocator):
             DeviceError: the limit or the base allocator leaves no room; the message
                 names the request, the limit and the bytes in use.
         """
+        if stream is None and type(nbytes) is int:
+            # The hit path: a freed chunk of the request's size class waits in its list.
+            if nbytes <= PARK_MAX:
+                chunk = None
+                if nbytes > 0 and (home := self._table[(nbytes - 1) >> _TABLE_SHIFT]):
+                    try:
+                        chunk = home.pop(0)  # the lowest address
+                    except IndexError:  # another thread took the last one
+                        pass
+            else:
+                step = 1 << ((nbytes - 1).bit_length() - _FINE_SHIFT)
+                chunk = self._take_cached((nbytes + step - 1) & -step)
+            if chunk is not None:
+                next(self._hits)
+                self._in_use = in_use = self._in_use + chunk.size
+                if in_use > self._max_in_use:
+                    self._max_in_use = in_use
+                # Requested bytes: this request's, less those of the buffer that last
+                # held the chunk (its release left them to here).
+                self._bytes_in_use += nbytes - chunk.req
+                chunk.req = nbytes
+                buffer: _ArenaBuffer = _new_buffer(self._host_buffer_class)
+                buffer.ptr = chunk.ptr
+                buffer.nbytes = nbytes
+                buffer._pins = 0
+                buffer._released = False
+                buffer._chunk = chunk
+                return buffer
+        return self._alloc(nbytes, stream)
+
+    def _alloc(self, nbytes: int, stream: SyncStream | None) -> Buffer:
+        """``alloc`` past the hit path: checks the arguments, then takes a chunk under the
+        lock."""
         if type(nbytes) is not int or nbytes <= 0 or not self._lazy:
-            # Off the hot path (a plain int > 0 on an open arena): check each argument once.
             check_stream("arena", self.memory_info.name, stream)
             check_nbytes("arena", self.memory_info.name, nbytes)
             if self._closed or self._retired:
@@ -167,44 +297,13 @@ class ArenaAllocator(Allocator):
                 return super().alloc(0, stream=stream)  # a null buffer, as the base class gives
         elif stream is not None and not isinstance(stream, SyncStream):
             check_stream("arena", self.memory_info.name, stream)
-        # The size class (see _size_class), inlined, as this is the hot path.
-        if nbytes > self._class_from:
-            bits = (nbytes - 1).bit_length()
-            step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))
-            rounded = (nbytes + step - 1) & -step
-        else:
-            unit = self._unit
-            rounded = (nbytes + unit - 1) // unit * unit
+        rounded = self._size_class(nbytes)
         lock = self._lock
         lock.acquire()
         try:
-            returned = self._returned
-            if returned:
-                last = returned[-1]
-                held = last._chunk
-                if (
-                    held is not None
-                    and held.cls == rounded
-                    and stream is None
-                    and held.tag is None
-                    and len(returned) == 1
-                    and not self._parked.get(rounded)
-                    and rounded not in self._stream_parked
-                ):
-                    # The one buffer released since the last call holds this class and
-                    # nothing else is parked for it: taking its chunk back and handing it
-                    # out again (what _drain and the fast path below would do) is handing
-                    # it over; its bytes stay in use.
-                    returned.pop()
-                    last._chunk = None
-                    self._num_allocs += 1
-                    self._bytes_in_use += nbytes - last.nbytes
-                    chunk = held
-                else:
-                    self._drain()
-                    chunk = self._chunk_for(nbytes, rounded, stream)
-            else:
-                chunk = self._chunk_for(nbytes, rounded, stream)
+            if self._returned:
+                self._drain()
+            chunk = self._chunk_for(nbytes, rounded, stream)
         finally:
             lock.release()
         if self._after:
@@ -223,30 +322,51 @@ class ArenaAllocator(Allocator):
         return buffer
 
     def _chunk_for(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
-        """A chunk of class ``rounded`` for a request, counted (lock held): the fast path
-        when parked chunks of this class are only on the request's own list (else the
-        lowest usable address among them wins, off this path; the lowest is last)."""
+        """A chunk of class ``rounded`` for a request, counted (lock held): its class's
+        freed chunk when parked chunks of this class are only on the request's own list
+        (else the lowest usable address among them wins, off this path)."""
         if stream is None:
-            parked = self._parked.get(rounded)
-            if parked and rounded not in self._stream_parked:
-                chunk = parked.pop()
+            chunk = None
+            if rounded > PARK_MAX:
+                chunk = self._pool.take_cached(rounded)
             else:
+                home = self._homes.get(rounded)
+                if home:
+                    try:
+                        chunk = home.pop(0)
+                    except IndexError:
+                        chunk = None
+            if chunk is None:
                 chunk = self._take(nbytes, rounded, None)
+            if chunk.cls > 0:
+                # A small chunk of the small pool: freed, it goes back to its class's list
+                # without the lock, and hits take it from there.
+                home = self._homes.get(chunk.cls)
+                if home is None:
+                    home = self._homes[chunk.cls] = []
+                chunk.home = home
+            elif chunk.size > PARK_MAX and self._pool.cache_large and not chunk.region.dedicated:
+                # A large chunk: freed, it is cached as it is, by octave (see take_cached).
+                chunk.home = self._pool.cached[chunk.size.bit_length()]
+            else:
+                chunk.home = None
         else:
             per = self._stream_parked.get(rounded)
             parked = per.get(stream) if per is not None and len(per) == 1 else None
-            if parked and not self._parked.get(rounded):
+            if parked and not self._homes.get(rounded):
                 chunk = parked.pop()
                 if not parked:  # streams come and go: no empty lists for them
                     del self._stream_parked[rounded]
             else:
                 chunk = self._take(nbytes, rounded, stream)
+            chunk.home = None
+        self._bytes_in_use += nbytes - chunk.req  # (see alloc)
+        chunk.req = nbytes
+        chunk.key = chunk.size << 64 | chunk.ptr
         self._in_use = in_use = self._in_use + chunk.size
         if in_use > self._max_in_use:
             self._max_in_use = in_use
-        self._live_buffers += 1
         self._num_allocs += 1
-        self._bytes_in_use += nbytes
         return chunk
 
     def _take(self, nbytes: int, rounded: int, stream: SyncStream | None) -> Chunk:
@@ -281,11 +401,13 @@ class ArenaAllocator(Allocator):
             chunk = self._pool.new_region(nbytes, dedicated=True).head
             chunk.tag = stream
             chunk.cls = -1  # never parked, and given back at once when released
+            chunk.home = None
+            chunk.req = nbytes
+            chunk.key = chunk.size << 64 | chunk.ptr
             self._num_reserves += 1
             self._in_use += chunk.size
             self._max_in_use = max(self._max_in_use, self._in_use)
             self._max_alloc_size = max(self._max_alloc_size, chunk.size)
-            self._live_buffers += 1
             self._num_allocs += 1
             self._bytes_in_use += nbytes
         finally:
@@ -335,18 +457,20 @@ class ArenaAllocator(Allocator):
         self._begin()
         try:
             self._pool.flush()
+            self._bytes_in_use -= self._pool.dropped_req
+            self._pool.dropped_req = 0
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,
                 "TotalAllocated": self._pool.reserved,
                 "MaxInUse": self._max_in_use,
-                "NumAllocs": self._num_allocs,
+                "NumAllocs": self._num_allocs + self._hit_count(),
                 "NumReserves": self._num_reserves,
                 "NumArenaExtensions": self._pool.sizer.extensions,
                 "NumArenaShrinkages": self._pool.shrinkages,
                 "MaxAllocSize": self._max_alloc_size,
                 "LargestFreeBlock": self._pool.largest_free(),
-                "LiveBuffers": self._live_buffers,
+                "LiveBuffers": self._live_buffers + self._live_chunks(),
                 "InUseRequested": self._bytes_in_use,
                 "MaxTotalAllocated": self._pool.max_reserved,
             }
@@ -358,7 +482,7 @@ class ArenaAllocator(Allocator):
         """Buffers handed out and not yet released."""
         self._begin()
         try:
-            return self._live_buffers
+            return self._live_buffers + self._live_chunks()
         finally:
             self._end()
 
@@ -382,17 +506,25 @@ class ArenaAllocator(Allocator):
 
     def retire(self) -> None:
         """Stop handing out memory and close once the last live buffer is released."""
-        self._lazy = False
         self._begin()
         try:
             self._retired = True
+            self._stop_hits()
         finally:
             self._end()  # closes now when no buffer is live
 
     def close(self) -> None:
         """Stop handing out memory and give the regions back (see ``Allocator.close``)."""
-        self._lazy = False
+        with self._lock:
+            self._stop_hits()
         super().close()
+
+    def _stop_hits(self) -> None:
+        """No more hits, and releases take the locked way (lock held): the order matters
+        to a release racing with it (see ``_ArenaBuffer._release``)."""
+        self._lazy = False
+        self._table = _NO_TABLE
+        self._take_cached = _no_chunk
 
     # -- the Allocator hooks (unused: alloc and the buffer's release do the work) -------------
     def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:  # pragma: no cover
@@ -439,43 +571,47 @@ class ArenaAllocator(Allocator):
             self._follow_up(*work)
 
     def _drain(self) -> None:
-        """Take back the chunks of released buffers (lock held): park each, or free it in
-        its core; regions that became wholly free wait in ``_gone`` for ``_finish``."""
+        """Take back released chunks (lock held): park each, or free it in its core;
+        regions that became wholly free wait in ``_gone`` for ``_finish``."""
         returned = self._returned
         section = self._section
         self._section = True
         try:
             while returned:
-                buffer = returned.pop()
-                chunk = buffer._chunk
-                if chunk is None:
-                    continue  # released twice (by two threads): taken back once
-                buffer._chunk = None
-                self._in_use -= chunk.size
-                self._live_buffers -= 1
-                self._bytes_in_use -= buffer.nbytes
-                if chunk.tag is None and self._lazy:
-                    # The common cases inline: a parked class's list with room (kept
-                    # highest address first), or a large chunk back to its core.
-                    cls = chunk.cls
-                    if cls > 0:
-                        parked = self._parked.get(cls)
-                        if (
-                            parked is not None
-                            and len(parked) < MAX_PARKED
-                            and (not parked or parked[-1].ptr > chunk.ptr)
-                        ):
-                            parked.append(chunk)
-                            continue
-                    elif cls == 0:
-                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-                        continue
+                try:
+                    chunk = returned.pop()
+                except IndexError:  # pragma: no cover - only this thread pops, under the lock
+                    break
+                if not _LOCK_FREE:  # the release could not count it (see _release_locked)
+                    self._in_use -= chunk.size
+                self._bytes_in_use -= chunk.req
+                chunk.req = 0
                 gone = self._pool.put_back(chunk, closed=self._closed)
                 if gone is not None:
                     self._gone.append(gone)
                 self._after = True  # a region to give back or to watch, maybe
         finally:
             self._section = section
+
+    def _live_chunks(self) -> int:
+        """Chunks handed out and not released (lock held, after a drain): the cores' chunks
+        in use, less the parked ones and those released since."""
+        pool = self._pool
+        live = pool.small.chunks_in_use + pool.large.chunks_in_use - len(self._returned)
+        for chunks in pool.parked.values():
+            live -= len(chunks)
+        for chunks in pool.cached:
+            live -= len(chunks)
+        for per in pool.stream_parked.values():
+            for chunks in per.values():
+                live -= len(chunks)
+        return live
+
+    def _hit_count(self) -> int:
+        """Hits so far (lock held)."""
+        count = next(self._hits) - self._hits_read
+        self._hits_read += 1
+        return count
 
     def _settle(self) -> None:
         """Take released chunks back now, where no locked code is running (a release that
@@ -515,7 +651,9 @@ class ArenaAllocator(Allocator):
         self._after = False
         gone, self._gone = self._gone, []
         watch = self._returns.take_watch() if self._returns.watch else []
-        close_now = self._retired and self._live_buffers == 0 and not self._closed
+        close_now = (
+            self._retired and not self._closed and self._live_buffers + self._live_chunks() == 0
+        )
         return gone, watch, close_now, self._closed, bool(self._returned)
 
     def _follow_up(
@@ -536,6 +674,23 @@ class ArenaAllocator(Allocator):
             self._settle()
 
     # -- internals ---------------------------------------------------------------------------
+    def _size_table(self) -> list[list[Chunk] | None]:
+        """The hit path's table: entry i is the list of freed chunks of the size class of
+        every request of ``(i << 8, (i + 1) << 8]`` bytes (None where those sizes are not
+        of one class: a unit that is not a power of two)."""
+        table: list[list[Chunk] | None] = []
+        homes = self._homes
+        for i in range(PARK_MAX >> _TABLE_SHIFT):
+            cls = self._size_class((i + 1) << _TABLE_SHIFT)
+            if self._size_class((i << _TABLE_SHIFT) + 1) != cls:
+                table.append(None)
+                continue
+            home = homes.get(cls)
+            if home is None:
+                home = homes[cls] = []
+            table.append(home)
+        return table
+
     def _size_class(self, nbytes: int) -> int:
         """The chunk size a request of ``nbytes`` (> 0) gets (as `alloc` inlines it)."""
         if nbytes > self._class_from:
@@ -558,5 +713,5 @@ class ArenaAllocator(Allocator):
     def __repr__(self) -> str:
         return (
             f"<ArenaAllocator {self.memory_info.name!r} in_use={self._in_use} "
-            f"reserved={self._pool.reserved} live={self._live_buffers}>"
+            f"reserved={self._pool.reserved}>"
         )

@@ -9,6 +9,18 @@ A pool borrows from the other one only where growing would not do (a large reque
 takes a free chunk of a small region before the arena extends; a small request
 takes one of a large region when the arena cannot extend).
 
+Freed large chunks of host requests are *cached* as they are (no merge), and a
+later host request takes the smallest cached chunk it fits closely, whole (no split):
+a pair of a large allocation and its release touches no bin. Cached chunks go back
+to their core, where they merge, before the arena grows (ORT reuses freed memory
+first), unless that keeps evicting more than the large pool holds while little of the
+arena is in use: then the cache's working set does not fit, and the pool grows.
+
+The lists hits pop and releases push to (the host lists of ``parked`` and the
+``cached`` lists) are changed by the arena's lock-free paths too (see the arena's
+module docstring): code here changes them only by single list operations and
+copes with a chunk another thread took first.
+
 The miss path never walks the chunks: best fit is a ``bisect`` per bin, the free
 chunks a stream may still use are indexed by stream in each core (``BfcCore.tagged``),
 and the search for parked chunks in a request's way starts from the parked chunks
@@ -17,6 +29,8 @@ and the search for parked chunks in a request's way starts from the parked chunk
 
 from __future__ import annotations
 
+import bisect
+import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -33,12 +47,19 @@ __all__ = ["LARGE", "MAX_PARKED", "PARK_MAX", "SMALL", "StreamPool", "idle", "us
 
 _BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
 _RESIZE_MIN = 1 << 20  # see StreamPool.find: never resize a region for less dead space
-MAX_PARKED = 16  # freed chunks kept per stream and size class; more go back to the core
+# Freed chunks kept per stream and size class (cached large ones: per power of two);
+# more go back to the core.
+MAX_PARKED = 16
+# A cached large chunk serves a request of ``rounded`` bytes when it is at least that and
+# less than ``rounded + (rounded >> CACHE_SHIFT)``, 1.5x (taken whole: see take_cached).
+CACHE_SHIFT = 1
 # Only chunks up to this size are parked (PyTorch's small-pool cutoff): small sizes repeat
 # often and cost little to hold; larger ones go back to the core at once, so they merge
 # and big requests find room.
 PARK_MAX = 1 << 20
 SMALL, LARGE = 0, 1  # the pools (index into StreamPool.cores)
+_bisect_left = bisect.bisect_left
+_KEY = operator.attrgetter("key")  # size << 64 | ptr, set when the chunk is handed out
 
 
 def idle(stream: SyncStream) -> bool:
@@ -77,17 +98,19 @@ class StreamPool:
     that stream's sync id at the free. Its ``cls`` is the size class it was handed out
     for when it may be parked, 0 when it may not, -1 for a reserved region's chunk.
 
-    The fast path: a freed small chunk is parked in a short list per size class
-    (highest address first, so ``pop()`` gives the lowest) that the next request of
-    that class pops without looking at bins: ``parked[size class]`` for chunks nobody
-    may still be using, which serve every request, and ``stream_parked[size
-    class][stream]`` for chunks a stream freed before it passed the work that used
-    them, which serve that stream, and another one only where the stream rule allows
-    it. When a request's own list is empty, it gets the lowest address among the
-    parked chunks it may take, as best fit would pick. Parked chunks are in use as far
-    as the core knows; they go back to it before the arena grows (see
-    ``grow_and_find``), on ``shrink()`` and close, and whenever a caller looks at the
-    chunks.
+    The fast path: a freed small chunk is parked in a short list per size class that
+    the next request of that class pops without looking at bins: ``parked[size
+    class]`` for chunks nobody may still be using (smallest, then lowest address first,
+    so ``pop(0)`` gives the one best fit would pick; the chunk's ``home``), which serve
+    every request, and ``stream_parked[size class][stream]`` for chunks a stream freed
+    before it passed the work that used them (highest address first, so ``pop()``
+    gives the lowest), which serve that stream, and another one only where the stream
+    rule allows it. When a request's own list is empty, it gets the lowest address
+    among the parked chunks it may take, as best fit would pick. Freed large chunks of
+    host requests wait in ``cached`` (see the module docstring). Parked and cached
+    chunks are in use as far as the core knows; they go back to it before the arena
+    grows (see ``grow_and_find``), on ``shrink()`` and close, and whenever a caller
+    looks at the chunks.
     """
 
     def __init__(
@@ -103,6 +126,8 @@ class StreamPool:
         self.sizer = RegionSizer(config, unit, self.limit, len(self.cores))
         self.returns = returns
         self.parked: dict[int, list[Chunk]] = {}
+        # Freed large host chunks kept as they are, by octave (size.bit_length()).
+        self.cached: list[list[Chunk]] = [[] for _ in range(65)]
         self.stream_parked: dict[int, dict[SyncStream, list[Chunk]]] = {}
         self.max_reserved = 0
         self.shrinkages = 0
@@ -111,7 +136,14 @@ class StreamPool:
         # small pool last grew: once they pass the pool's size, the pool thrashes (the
         # fast path's working set does not fit in it), and it grows instead.
         self.evicted = 0
+        # Requested bytes of released host chunks taken back from their lists (the arena
+        # counts a released chunk's requested bytes until then: see ArenaAllocator.alloc).
+        self.dropped_req = 0
+        self.evicted_large = 0  # bytes of cached large chunks given back since it last grew
         self.exact = config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED
+        # Under SAME_AS_REQUESTED regions fit their requests, and freed large chunks go
+        # back to the core at once (see find's resizing): none is cached.
+        self.cache_large = not self.exact
 
     # -- the cores together -------------------------------------------------------------------
     @property
@@ -136,6 +168,33 @@ class StreamPool:
                 c = c.next
 
     # -- taking ------------------------------------------------------------------------------
+    def take_cached(self, rounded: int) -> Chunk | None:
+        """The smallest cached large chunk that serves a request of ``rounded`` bytes (at
+        least that, less than ``rounded + (rounded >> CACHE_SHIFT)``: as ORT's BFC takes
+        a free chunk whole when the rest would be small), taken out of its list; None when
+        there is none. Needs no lock (hits call it): each list is kept smallest first,
+        and a chunk another thread takes first is not returned."""
+        cached = self.cached
+        b = rounded.bit_length()
+        lowest = rounded << 64
+        for chunks in (cached[b], cached[b + 1]):
+            i = _bisect_left(chunks, lowest, key=_KEY)
+            try:
+                chunk = chunks[i]
+            except IndexError:
+                continue  # none that large here (or another thread took it)
+            size = chunk.size
+            if size < rounded:  # the list changed under the search (another thread)
+                return None
+            if size >= rounded + (rounded >> CACHE_SHIFT):
+                return None  # the smallest that fits wastes too much; the next list's more
+            try:
+                chunks.remove(chunk)
+            except ValueError:  # another thread took it
+                return None
+            return chunk
+        return None
+
     def take(self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int) -> Chunk:
         """A chunk of class ``rounded`` for ``stream`` when its own parked list is empty:
         an untagged parked one, another stream's that the rule allows, the pool's best
@@ -164,33 +223,40 @@ class StreamPool:
     def _take_parked(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
         """The lowest address among the parked chunks of class ``rounded`` that ``stream``
         may take, taken out of its list; None when there is none."""
-        best: Chunk | None = None
-        best_list: list[Chunk] | None = None
-        host = self.parked.get(rounded)
-        if host:
-            best, best_list = host[-1], host  # every one is usable; the last is the lowest
-        per = self.stream_parked.get(rounded)
-        if per:
-            cache: dict[int, bool] = {}
-            for owner, parked in per.items():
-                if owner is stream:
-                    chunk = parked[-1]
+        for _ in range(4):  # a hit may take the chosen chunk first: then look again
+            best: Chunk | None = None
+            best_list: list[Chunk] | None = None
+            host = self.parked.get(rounded)
+            if host:
+                for chunk in host[:]:  # every one is usable; hits may pop meanwhile
                     if best is None or chunk.ptr < best.ptr:
-                        best, best_list = chunk, parked
-                    continue
-                for chunk in parked:
-                    if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
-                        best, best_list = chunk, parked
-        if best is None or best_list is None:
-            return None
-        best_list.remove(best)
-        if not best_list and per:
-            for owner, parked in list(per.items()):
-                if not parked:
-                    del per[owner]  # streams come and go: no empty lists for them
-            if not per:
-                del self.stream_parked[rounded]
-        return best
+                        best, best_list = chunk, host
+            per = self.stream_parked.get(rounded)
+            if per:
+                cache: dict[int, bool] = {}
+                for owner, parked in per.items():
+                    if owner is stream:
+                        chunk = parked[-1]
+                        if best is None or chunk.ptr < best.ptr:
+                            best, best_list = chunk, parked
+                        continue
+                    for chunk in parked:
+                        if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
+                            best, best_list = chunk, parked
+            if best is None or best_list is None:
+                return None
+            try:
+                best_list.remove(best)
+            except ValueError:
+                continue  # a hit (on the host list, without the lock) took it
+            if not best_list and per and best_list is not host:
+                for owner, parked in list(per.items()):
+                    if not parked:
+                        del per[owner]  # streams come and go: no empty lists for them
+                if not per:
+                    del self.stream_parked[rounded]
+            return best
+        return None
 
     def find(self, core: BfcCore, rounded: int, stream: SyncStream | None) -> Chunk | None:
         """``core``'s best-fitting chunk that ``stream`` may use, or None.
@@ -247,12 +313,21 @@ class StreamPool:
         Raises:
             DeviceError: out of memory (``in_use`` goes in the message).
         """
+        # Cached large chunks go back (and merge) before the arena grows, unless that keeps
+        # evicting (twice the large pool since it last grew) while under a quarter of the
+        # arena is in use: then the cache's working set does not fit, and the pool grows
+        # (as for parked chunks, below; a busy arena never grows for its cache).
+        thrashing = self.evicted_large > 2 * self.large.reserved and in_use * 4 <= self.reserved
+        if not thrashing and self.flush_cached():
+            chunk = self._find_anywhere(rounded, stream, pool)
+            if chunk is not None:
+                return chunk
         # Parked chunks in the way go back before the arena grows (ORT reuses freed memory
         # first), unless that keeps evicting more than the small pool holds: then the fast
         # path's working set does not fit, and the pool grows instead (amortized: each
         # growth follows at most the pool's size in evictions, and the pool doubles).
         if self.parked and self.evicted < self.small.reserved and self.flush_run(rounded):
-            chunk = self.find(self.small, rounded, stream)
+            chunk = self._find_anywhere(rounded, stream, pool)
             if chunk is not None:
                 return chunk
         if self.reset_passed_streams():
@@ -350,6 +425,8 @@ class StreamPool:
         region = self.cores[pool].add_region(buffer.ptr, size, buffer, dedicated=dedicated)
         if pool == SMALL:
             self.evicted = 0
+        else:
+            self.evicted_large = 0
         reserved = self.reserved
         if reserved > self.max_reserved:
             self.max_reserved = reserved
@@ -393,21 +470,29 @@ class StreamPool:
         return None
 
     def park(self, chunk: Chunk, tag: SyncStream | None) -> bool:
-        """Park a freed chunk in its class's list for ``tag``; False when that list is full."""
+        """Park a freed chunk in its class's list for ``tag``; False when that list is full.
+
+        A host list (``tag`` None) is the chunk's ``home``, where hits pop and releases
+        insert without the lock: smallest, then lowest address first (``pop(0)``). A
+        stream's list is kept highest address first, so ``pop()`` gives the lowest.
+        """
         if tag is None:
-            parked = self.parked.get(chunk.cls)
-            if parked is None:
-                self.parked[chunk.cls] = [chunk]
-                return True
-        else:
-            per = self.stream_parked.get(chunk.cls)
-            if per is None:
-                self.stream_parked[chunk.cls] = {tag: [chunk]}
-                return True
-            parked = per.get(tag)
-            if parked is None:
-                per[tag] = [chunk]
-                return True
+            home = self.parked.get(chunk.cls)
+            if home is None:
+                home = self.parked[chunk.cls] = []
+            if len(home) >= MAX_PARKED:
+                return False
+            chunk.home = home
+            bisect.insort(home, chunk, key=_KEY)  # smallest, lowest address first
+            return True
+        per = self.stream_parked.get(chunk.cls)
+        if per is None:
+            self.stream_parked[chunk.cls] = {tag: [chunk]}
+            return True
+        parked = per.get(tag)
+        if parked is None:
+            per[tag] = [chunk]
+            return True
         n = len(parked)
         if n >= MAX_PARKED:
             return False
@@ -429,7 +514,7 @@ class StreamPool:
         largest free one; the other parked chunks stay for their sizes. Runs are found
         from the parked chunks (each run looked at once), never by walking the regions.
         """
-        parked = {id(c) for chunks in self.parked.values() for c in chunks}
+        parked = {id(c) for chunks in self.parked.values() for c in chunks[:]}
         if not parked:
             return False
 
@@ -440,7 +525,7 @@ class StreamPool:
         best: list[Chunk] = []
         best_size = 0
         for chunks in self.parked.values():
-            for start in chunks:
+            for start in chunks[:]:
                 if id(start) in seen:
                     continue
                 while in_run(start.prev):
@@ -471,24 +556,72 @@ class StreamPool:
             else:
                 hi += 1
                 size += right
-        to_free = [c for c in best[lo : hi + 1] if c.in_use]
-        self.evicted += sum(c.size for c in to_free)
-        for chunk in to_free:
-            self.parked[chunk.cls].remove(chunk)
-            self.small.free(chunk, None, chunk.mark)
-        return bool(to_free)
+        freed = False
+        for chunk in best[lo : hi + 1]:
+            if not chunk.in_use:
+                continue
+            try:
+                self.parked[chunk.cls].remove(chunk)
+            except ValueError:
+                continue  # a hit (without the lock) took it meanwhile: it stays in use
+            self.evicted += chunk.size
+            self.dropped_req += chunk.req
+            chunk.req = 0
+            chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+            freed = True
+        return freed
 
     def flush(self) -> int:
-        """Free every parked chunk in its core, where it merges; returns how many."""
-        parked = [c for chunks in self.parked.values() for c in chunks]
-        parked += [
+        """Free every parked and cached chunk in its core, where it merges; returns how
+        many."""
+        count = 0
+        for home in self.parked.values():  # the lists stay: they are the chunks' homes
+            while home:
+                try:
+                    chunk = home.pop()
+                except IndexError:  # a hit took the last one
+                    break
+                self.dropped_req += chunk.req
+                chunk.req = 0
+                chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+                count += 1
+        count += self.flush_cached()
+        parked = [
             c for per in self.stream_parked.values() for chunks in per.values() for c in chunks
         ]
-        self.parked.clear()
         self.stream_parked.clear()
         for chunk in parked:
             chunk.region.core.free(chunk, chunk.tag, chunk.mark)  # type: ignore[union-attr]
-        return len(parked)
+        return count + len(parked)
+
+    def flush_cached(self, core: BfcCore | None = None) -> int:
+        """Free every cached large chunk (of ``core``'s regions, or of both cores) in its
+        core, where it merges; returns how many."""
+        count = 0
+        for chunks in self.cached:
+            if core is not None:
+                for chunk in chunks[:]:
+                    if chunk.region.core is core:
+                        try:
+                            chunks.remove(chunk)
+                        except ValueError:  # a hit took it
+                            continue
+                        count += self._uncache(chunk)
+                continue
+            while chunks:
+                try:
+                    chunk = chunks.pop()
+                except IndexError:  # a hit took the last one
+                    break
+                count += self._uncache(chunk)
+        return count
+
+    def _uncache(self, chunk: Chunk) -> int:
+        self.dropped_req += chunk.req
+        chunk.req = 0
+        self.evicted_large += chunk.size
+        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
+        return 1
 
     def reset_passed_streams(self) -> int:
         """Untag the free and parked chunks whose stream has passed their point; returns

@@ -52,11 +52,25 @@ def bin_of(size: int) -> int:
 class Chunk:
     """A span of a region: in use, or free in a bin (dedicated regions' heads are never binned).
 
-    ``cls`` belongs to the layer above (the size class it was handed out for); the
-    core never reads it.
+    ``cls``, ``home``, ``key`` and ``req`` belong to the layer above (the size class
+    it was handed out for, the list it goes back to when released, its sort key there,
+    the bytes requested); the core never reads them.
     """
 
-    __slots__ = ("cls", "in_use", "mark", "next", "prev", "ptr", "region", "size", "tag")
+    __slots__ = (
+        "cls",
+        "home",
+        "in_use",
+        "key",
+        "mark",
+        "next",
+        "prev",
+        "ptr",
+        "region",
+        "req",
+        "size",
+        "tag",
+    )
 
     def __init__(self, ptr: int, size: int, region: Region) -> None:
         self.ptr = ptr
@@ -66,6 +80,9 @@ class Chunk:
         self.tag: object = None
         self.mark = 0
         self.cls = size
+        self.home: list[Chunk] | None = None
+        self.key = 0
+        self.req = 0
         self.prev: Chunk | None = None
         self.next: Chunk | None = None
 
@@ -218,6 +235,9 @@ class BfcCore:
                 new.region = chunk.region
                 new.in_use = False
                 new.cls = rest
+                new.home = None
+                new.key = 0
+                new.req = 0
                 new.tag = owner
                 new.mark = chunk.mark
                 new.prev = chunk
@@ -348,6 +368,9 @@ class BfcCore:
         new.region = chunk.region
         new.in_use = False
         new.cls = rest
+        new.home = None
+        new.key = 0
+        new.req = 0
         new.tag = chunk.tag
         new.mark = chunk.mark
         new.prev = chunk

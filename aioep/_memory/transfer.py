@@ -33,9 +33,6 @@ class DataTransfer(abc.ABC):
     arguments while the transfer is registered: the core caches the routing.
     """
 
-    max_inline_bytes: int = 0
-    """Un-streamed batches up to this size are copied inline on the event loop (cheap memcpys)."""
-
     @abc.abstractmethod
     def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
         """True if this transfer copies from ``src`` memory to ``dst`` memory."""
@@ -50,18 +47,36 @@ class DataTransfer(abc.ABC):
         """Copy ``nbytes`` of each (source, destination) pair.
 
         With ``stream=None`` copy synchronously (the core calls this off the
-        event loop, or inline for batches up to ``max_inline_bytes``). With a
-        stream, enqueue the copies in order on it and return at once. The pairs
-        are already validated: equal sizes, no overlaps, ``can_copy`` true.
+        event loop, or on it for a batch `can_copy_inline` accepts while the
+        environment's inline budget allows). With a stream, enqueue the copies in order
+        on it and return at once. The pairs are already validated: equal sizes, no
+        overlaps, ``can_copy`` true.
         """
+
+    def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
+        """True if ``copy_tensors(pairs, None)`` is host work that never waits: a memcpy
+        between memories the host addresses (no device call, no lock held across device
+        work, no sleep). Default False.
+
+        For such a batch the core times the copy and may run it on the calling thread
+        (the event loop) instead of handing it to a thread, while it costs less than the
+        environment's inline budget (``Environment(inline_budget_us=...)``); on an
+        `aioep.abc.ThreadStream` it runs ``copy_tensors(pairs, None)`` in the
+        stream's order itself (inline while the stream is idle, else on its worker).
+        Called on the caller's thread for every batch: keep it cheap.
+        """
+        return False
 
     def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> NotificationImpl | None:
         """Optionally start an un-streamed batch without blocking and without a worker thread.
 
         Return a notification, already activated, that completes when the copies are
         done (the backend enqueued them on a stream of its own, say), or None (the
-        default) to have the core run ``copy_tensors(pairs, None)`` on a worker thread.
-        Called on the caller's thread, often the event loop: it must not wait.
+        default) to have the core run ``copy_tensors(pairs, None)`` on a copy worker.
+        Either way the thread that finishes the copies wakes the awaiting task: one
+        hop. Called on the caller's thread, often the event loop: it must not wait.
+        Not called for a batch `can_copy_inline` accepts (the core's copy workers
+        run those, and time them for the inline budget).
         """
         return None
 
@@ -86,15 +101,6 @@ class CopyPlan:
         """Fill the staging copies of strided sources (where the groups run)."""
         for staging, source in self.packs:
             np.copyto(staging, source)
-
-    @property
-    def inline(self) -> bool:
-        """True when every group is small enough for its transfer to run inline."""
-        # One group per transfer (plan_copies groups by transfer).
-        return all(
-            sum(s._nbytes for s, _ in pairs) <= transfer.max_inline_bytes
-            for transfer, pairs in self.groups
-        )
 
 
 PACK_INLINE_BYTES = 64 << 10

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
 from .stream_impl import NotificationImpl, StreamImpl
-from .wake import wait_for, warn_if_blocking_loop
+from .wake import checkpoint, wait_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
     from .stream import SyncStream
@@ -101,17 +101,18 @@ class Notification:
         warn_if_blocking_loop(self, self._impl.query)
         wait_blocking(self, timeout)
 
-    async def _wait_async(self) -> None:
-        await wait_for(self._impl.add_done_callback, self._impl.query)
-        self._raise_if_failed()
-
     def _raise_if_failed(self) -> None:
         err = self._impl.error()
         if err is not None:
             raise device_error(err, f"device work before {self!r}")
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self._wait_async().__await__()
+        impl = self._impl
+        if impl.query():
+            yield from checkpoint()  # an await always yields once, even when done
+        else:
+            yield from wait_for(impl.add_done_callback, impl.query).__await__()
+        self._raise_if_failed()
 
     def __repr__(self) -> str:
         where = f" on {self._stream!r}" if self._stream is not None else ""

@@ -13,6 +13,7 @@ from .._base.errors import ClosedError, InvalidArgument, NotImplementedByEp
 from .notification import Notification, wait_blocking
 from .routes import RouteCache
 from .stream_impl import StreamImpl
+from .wake import checkpoint
 
 if TYPE_CHECKING:
     from .._devices.device import EpDevice
@@ -153,11 +154,15 @@ class SyncStream(AsyncResource):
 
         Raises [`DeviceError`][aioep.DeviceError] if work since the last recorded point failed.
         """
-        self._check_open()
-        await self.record()
+        await self
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self.synchronize().__await__()
+        self._check_open()
+        if self._impl.settled():
+            # Idle, and nothing failed since the last mark: nothing to record or wait for.
+            yield from checkpoint()
+            return
+        yield from self.record().__await__()
 
     async def aclose(self) -> None:
         """Wait for pending work, then release the stream; idempotent and shielded."""

@@ -98,6 +98,16 @@ class StreamImpl(abc.ABC):
         """
         return None
 
+    def settled(self) -> bool:
+        """True when all work enqueued so far has completed and none of it failed since the
+        last notification the stream reached, nor is the device lost: a notification
+        recorded now would complete at once, without an error.
+
+        ``await stream`` then returns without recording one. Return False (the default)
+        when unsure: the core records a notification and waits for it.
+        """
+        return False
+
     def flush(self) -> None:
         """Submit queued work to the device now (for backends that batch)."""
 
@@ -330,9 +340,10 @@ class ThreadStream(StreamImpl):
     is not blocked.
 
     When the stream is idle (nothing queued, nothing running), a notification
-    recorded on it completes at once, and ``enqueue(fn, inline=True)`` runs
-    ``fn`` on the calling thread, as a driver does with a small pageable copy.
-    Only pass ``inline=True`` for work that never blocks (a small memcpy).
+    recorded on it completes at once, and `run_inline` (or
+    ``enqueue(fn, inline=True)``) runs ``fn`` on the calling thread, as a driver does
+    with a small pageable copy. Only run work inline that never blocks (a small memcpy);
+    the core does so for copies within the environment's inline budget.
     """
 
     def __init__(self, name: str | None = None) -> None:
@@ -358,30 +369,52 @@ class ThreadStream(StreamImpl):
         with self._lock:
             return not self._queue and not self._busy
 
+    def settled(self) -> bool:
+        with self._lock:
+            if self._queue or self._busy or self._pending_error is not None:
+                return False
+        return self.sticky_error() is None
+
     def enqueue(self, fn: Callable[[], None], *, inline: bool = False) -> None:
         """Queue ``fn`` to run after everything queued before it.
 
         With ``inline=True`` and an idle stream, run it now on this thread instead.
         """
-        lane = _lane_of(self)
-        if lane is not None:
-            fn = functools.partial(self._run_in_lane, fn, lane)
-        if inline:
-            with self._lock:
-                self._check_not_closed()
-                idle = not self._queue and not self._busy
-                if idle:
-                    self._busy = True
-            if idle:
-                try:
-                    self._run_op(fn)
-                finally:
-                    with self._cond:
-                        self._busy = False
-                        if self._queue:
-                            self._cond.notify()
-                return
+        fn = self._in_lane(fn)
+        if inline and self._run_now(fn):
+            return
         self._put(("op", fn, 0))
+
+    def _in_lane(self, fn: Callable[[], None]) -> Callable[[], None]:
+        # The op of a borrower in an error lane: its failure waits for that borrower's mark.
+        lane = _lane_of(self)
+        return fn if lane is None else functools.partial(self._run_in_lane, fn, lane)
+
+    def run_inline(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` now, on this thread, if the stream is idle; return False (doing
+        nothing) if work is queued or running.
+
+        ``fn`` then runs in the stream's order: nothing is ahead of it, and work enqueued
+        meanwhile waits for it. If it raises, the error goes to the next notification the
+        stream reaches, as for queued work (in a borrower's `ErrorLane`: the next
+        notification that borrower records).
+        """
+        return self._run_now(self._in_lane(fn))
+
+    def _run_now(self, fn: Callable[[], None]) -> bool:
+        with self._lock:
+            self._check_not_closed()
+            if self._queue or self._busy:
+                return False
+            self._busy = True
+        try:
+            self._run_op(fn)
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue:
+                    self._cond.notify()
+        return True
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
         """Queue a device-side wait: work after this waits until ``notification`` completes.
@@ -413,7 +446,7 @@ class ThreadStream(StreamImpl):
             raise ClosedError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
-        with self._cond:
+        with self._lock:
             self._check_not_closed()
             self._queue.append(op)
             self._cond.notify()
@@ -463,7 +496,7 @@ class ThreadStream(StreamImpl):
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._queue or self._busy:
                     if self._closed and not self._queue:
                         return
@@ -496,11 +529,11 @@ class ThreadStream(StreamImpl):
                         obj.wait_on_host(None)  # type: ignore[attr-defined]
             finally:
                 del obj
-                with self._cond:
+                with self._lock:
                     self._busy = False
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify()
         if threading.current_thread() is not self._thread:

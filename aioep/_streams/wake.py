@@ -1,31 +1,131 @@
 """The one event-loop-specific piece: wake a waiting task from any thread (and tell whether
 this thread runs an event loop, which a blocking wait would stall).
 
-A backend signals completion from its own thread (a stream worker, a driver
-callback). `wait_for` registers a thread-safe callback that schedules the
-waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on
-asyncio, the run's ``TrioToken`` on trio. No thread is parked per waiter and
-nothing spins; cancelling the wait abandons it and leaves the device work alone.
+A backend signals completion from its own thread (a stream worker, a driver's
+dispatcher thread). `wait_for` registers a thread-safe callback that schedules the
+waiting task's wake-up on its own loop: ``loop.call_soon_threadsafe`` on asyncio, the
+run's ``TrioToken`` on trio. That is the one hop of a completion: the thread that learns
+the work is done wakes the loop itself. Completions that arrive together (one pass of a
+stream worker over several marks, a dispatcher finding many events done) share one
+wake-up: each loop has one `LoopWaker` that collects them and wakes the loop once
+per batch. No thread is parked per waiter and nothing spins; cancelling the wait abandons
+it and leaves the device work alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import sys
+import threading
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Generator
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ["runs_event_loop", "wait_for", "warn_if_blocking_loop"]
+__all__ = [
+    "LoopWaker",
+    "checkpoint",
+    "runs_event_loop",
+    "wait_for",
+    "waker_for",
+    "warn_if_blocking_loop",
+]
 
 Register = Callable[[Callable[[], None]], bool]
+
+
+class LoopWaker:
+    """Wakes one event loop from any thread, once per batch of completions.
+
+    `wake` files a waiter (an asyncio future, a trio event) to be woken on the loop
+    by ``fire(waiter)``; the first one filed since the loop last ran the batch schedules
+    the batch (``call_soon_threadsafe`` on asyncio, ``TrioToken.run_sync_soon`` on trio);
+    the others only join it.
+    """
+
+    __slots__ = ("__weakref__", "_fire", "_pending", "_schedule", "_scheduled")
+
+    def __init__(
+        self, schedule: Callable[[Callable[[], None]], object], fire: Callable[[Any], object]
+    ) -> None:
+        self._schedule = schedule
+        self._fire = fire
+        # A deque's append and popleft are atomic: no lock on the completing thread's path.
+        self._pending: collections.deque[Any] = collections.deque()
+        self._scheduled = False
+
+    def wake(self, waiter: Any) -> None:
+        """Wake ``waiter`` on the loop soon (call from any thread; never raises)."""
+        self._pending.append(waiter)
+        if self._scheduled:
+            return  # the batch is already scheduled: this completion rides along
+        # Two threads may both get here: the loop then runs one batch more, which is harmless.
+        self._scheduled = True
+        try:
+            self._schedule(self._run_batch)
+        except Exception:  # the loop is closed (asyncio) or the run finished (trio)
+            self._pending.clear()
+
+    def _run_batch(self) -> None:
+        # Cleared before draining: a waiter filed after this point either is drained below
+        # or (if it saw the flag clear) schedules a batch of its own.
+        self._scheduled = False
+        pending, fire = self._pending, self._fire
+        while pending:
+            fire(pending.popleft())
+
+
+# The waker of the loop (or trio run) last seen, then all of them by loop: most programs
+# have one loop, and the identity test is cheaper than the weak dictionary's lookup.
+_last: tuple[weakref.ref[Any], LoopWaker] | None = None
+_wakers: weakref.WeakKeyDictionary[Any, LoopWaker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
+    """The `LoopWaker` of an asyncio loop or of a trio run's ``TrioToken``."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop:
+        return last[1]
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            if isinstance(loop, asyncio.AbstractEventLoop):
+                waker = LoopWaker(loop.call_soon_threadsafe, _set_result)
+            else:
+                waker = LoopWaker(loop.run_sync_soon, _set_event)
+            _wakers[loop] = waker
+    _last = (weakref.ref(loop), waker)
+    return waker
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _set_event(event: Any) -> None:
+    event.set()
+
+
+def checkpoint() -> Generator[Any, None, None]:
+    """Yield to the event loop once; for ``yield from`` in an ``__await__``.
+
+    On asyncio a bare ``yield`` (what ``asyncio.sleep(0)`` does, without its coroutine);
+    elsewhere anyio's checkpoint.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        yield from anyio.lowlevel.checkpoint().__await__()
+    else:
+        yield
 
 
 async def wait_for(register: Register, query: Callable[[], bool]) -> None:
@@ -48,29 +148,14 @@ async def wait_for(register: Register, query: Callable[[], bool]) -> None:
         return
     if loop is not None:
         fut: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            try:
-                loop.call_soon_threadsafe(_set_result, fut)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                pass
-
-        if register(wake):
+        if register(functools.partial(waker_for(loop).wake, fut)):
             await fut
             return
     elif "trio" in sys.modules:
         import trio
 
-        token = trio.lowlevel.current_trio_token()
         event = trio.Event()
-
-        def wake_trio() -> None:
-            try:
-                token.run_sync_soon(event.set)
-            except trio.RunFinishedError:
-                pass
-
-        if register(wake_trio):
+        if register(functools.partial(waker_for(trio.lowlevel.current_trio_token()).wake, event)):
             await event.wait()
             return
     await _poll(query)

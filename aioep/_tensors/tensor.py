@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -259,11 +260,12 @@ class Tensor:
     @classmethod
     def from_numpy(cls, array: npt.NDArray[Any]) -> Tensor:
         """Wrap a C-contiguous numpy array without copying; the tensor keeps it alive."""
-        if not isinstance(array, np.ndarray):
+        if type(array) is not np.ndarray and not isinstance(array, np.ndarray):
             raise InvalidArgument(
                 f"Tensor.from_numpy needs a numpy.ndarray, got {type(array).__name__}"
             )
-        if not array.flags.c_contiguous:
+        flags = array.flags
+        if not flags.c_contiguous:
             raise InvalidArgument(
                 f"Tensor.from_numpy needs a C-contiguous array (shape {array.shape}, strides "
                 f"{array.strides}); use numpy.ascontiguousarray first"
@@ -273,15 +275,7 @@ class Tensor:
                 f"Tensor.from_numpy: dtype {array.dtype} holds Python objects, which device "
                 "memory cannot hold (sessions take string arrays as inputs directly)"
             )
-        nbytes = array.nbytes
-        buffer = Buffer(
-            array.__array_interface__["data"][0],
-            nbytes,
-            HOST_MEMORY_INFO,
-            owner=array,
-            readonly=not array.flags.writeable,
-        )
-        return cls._over_array(array, buffer)
+        return checked_host_tensor(array, readonly=not flags.writeable)
 
     @classmethod
     def _over_array(cls, array: npt.NDArray[Any], buffer: Buffer) -> Tensor:
@@ -494,6 +488,72 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"<Tensor shape={self.shape} dtype={self.dtype} on {self.memory_info.name!r}>"
+
+
+class _ArrayStruct(ctypes.Structure):
+    """numpy's C array interface (``PyArrayInterface``), behind ``ndarray.__array_struct__``."""
+
+    _fields_ = [
+        ("two", ctypes.c_int),
+        ("nd", ctypes.c_int),
+        ("typekind", ctypes.c_char),
+        ("itemsize", ctypes.c_int),
+        ("flags", ctypes.c_int),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("data", ctypes.c_void_p),
+        ("descr", ctypes.c_void_p),
+    ]
+
+
+def _address_by_interface(array: npt.NDArray[Any]) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+_capsule_pointer: Any = None
+try:
+    # A prototype of our own (never the shared ctypes.pythonapi attribute, whose argtypes
+    # other libraries set too); PYFUNCTYPE keeps the GIL for this C API call.
+    _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi)
+    )
+except (AttributeError, OSError):  # pragma: no cover - an interpreter without the C API
+    _capsule_pointer = None
+_DATA_AT = _ArrayStruct.data.offset
+_pointer_at = ctypes.c_void_p.from_address
+
+
+def checked_host_tensor(array: npt.NDArray[Any], *, readonly: bool) -> Tensor:
+    """A tensor over ``array``, which the caller checked is a C-contiguous numpy array of
+    plain values (what `Tensor.from_numpy` checks): what numpy knows (address, size,
+    shape, dtype) is taken as it is, not derived or validated again."""
+    nbytes = array.nbytes
+    # A writable one's address comes straight through the buffer protocol (data_address).
+    ptr = _address_of(_view_bytes(array)) if nbytes and not readonly else data_address(array)
+    buffer = Buffer(ptr, nbytes, HOST_MEMORY_INFO, owner=array, readonly=readonly)
+    return Tensor._over_array(array, buffer)
+
+
+_view_bytes: Callable[[Any], Any] = ctypes.c_char.from_buffer  # an ndarray is a buffer
+_address_of = ctypes.addressof
+
+
+def data_address(array: npt.NDArray[Any]) -> int:
+    """The address of a numpy array's first element (0 for an array with no data).
+
+    A writable C-contiguous array's comes through the buffer protocol, any other's from
+    numpy's C array interface capsule: a third and a half of the cost of building the
+    ``__array_interface__`` dictionary (the fallback without the C API).
+    """
+    flags = array.flags
+    if flags.writeable and flags.c_contiguous and array.nbytes:
+        return _address_of(_view_bytes(array))
+    if _capsule_pointer is None:  # pragma: no cover
+        return _address_by_interface(array)
+    address: int | None = _pointer_at(
+        _capsule_pointer(array.__array_struct__, None) + _DATA_AT
+    ).value
+    return address or 0
 
 
 # vendor id -> exporter; filled by backends through register_dlpack_exporter.

@@ -3,12 +3,16 @@
 Per device pair (``host->host``, ``host->sim:0``, ``sim:0->host`` ...) it measures
 
 * copy bandwidth by transfer size: ``await copy_tensors(..., stream=s)`` against
-  ``numpy.copyto`` of the same bytes (the host memcpy ceiling);
-* 4 KiB copy latency: ``await copy_tensors`` against
-  ``await anyio.to_thread.run_sync(numpy.copyto, ...)``;
+  ``numpy.copyto`` of the same bytes (the host memcpy ceiling), timed directly and
+  alternated with aioep's runs;
+* 4 KiB copy latency: ``await copy_tensors`` against its fair floor, the same copy with
+  the same number of thread hops (``numpy.copyto`` + ``await asyncio.sleep(0)`` where
+  aioep copies inline; a persistent thread doing the ``numpy.copyto`` and completing an
+  asyncio future with ``call_soon_threadsafe`` where it hops), and against the naive
+  ``await anyio.to_thread.run_sync(numpy.copyto, ...)``; the three are interleaved;
 * wake latency per device: from the moment the device's stream thread completes a
-  copy to the moment the awaiting task runs, against a thread that calls
-  ``loop.call_soon_threadsafe`` after the same memcpy.
+  copy to the moment the awaiting task runs, against a persistent thread that calls
+  ``loop.call_soon_threadsafe`` after the same memcpy, sample by sample in turn.
 
 It runs under asyncio (the baselines are asyncio's). The numbers are for
 comparing on one machine in one run; they are not a benchmark suite.
@@ -29,6 +33,7 @@ import asyncio
 import functools
 import json
 import math
+import queue
 import sys
 import threading
 import time
@@ -83,12 +88,15 @@ class BandwidthPoint:
 
 @dataclass(frozen=True)
 class LatencyPoint:
-    """Median latency in microseconds of aioep and of its baseline."""
+    """Median latency in microseconds of aioep, of its fair baseline (the same work with
+    the same thread hops) and, where there is one, of the naive alternative."""
 
     name: str
     aioep_us: float
     baseline_us: float
     baseline: str
+    naive_us: float = math.nan
+    naive: str = ""
 
 
 @dataclass
@@ -167,29 +175,64 @@ def _benchmark(
     return bench
 
 
-async def _measure(
+async def _interleaved(
     report: BenchReport,
-    name: str,
-    fn: Callable[[], Awaitable[object]],
+    contenders: Sequence[tuple[str, Callable[[], Awaitable[object]]]],
     *,
-    values: int,
-    budget: float = 0.0,
-    max_values: int = 50,
-) -> pyperf.Benchmark:
-    """Time ``await fn()``: one warm-up (first-touch page faults, thread start-up), then
-    ``values`` timings, more while ``budget`` seconds last (up to ``max_values``)."""
-    t0 = time.perf_counter()
-    await fn()
-    warmup = time.perf_counter() - t0
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < values or (
-        time.perf_counter() - start < budget and len(samples) < max_values
-    ):
-        t0 = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - t0)
-    return _benchmark(report, name, samples, [warmup])
+    rounds: int,
+    block: int,
+) -> list[pyperf.Benchmark]:
+    """Time each contender's ``await fn()`` in blocks of ``block``, in turn (the order
+    rotated each round) for ``rounds`` rounds after one warm-up round: load drift on the
+    machine hits them all alike. One pyperf benchmark per contender, in order."""
+    samples: list[list[float]] = [[] for _ in contenders]
+    warmups: list[list[float]] = [[] for _ in contenders]
+    clock = time.perf_counter
+    order = list(range(len(contenders)))
+    for r in range(rounds + 1):
+        shift = r % len(order)
+        for k in order[shift:] + order[:shift]:
+            fn = contenders[k][1]
+            out = samples[k] if r else warmups[k]
+            for _ in range(block):
+                t0 = clock()
+                await fn()
+                out.append(clock() - t0)
+    return [
+        _benchmark(report, name, values, warmups[k][:1])
+        for k, ((name, _), values) in enumerate(zip(contenders, samples))
+    ]
+
+
+class _HopThread:
+    """The fair floor of a thread hop: a persistent thread that runs ``work()`` for each
+    request and completes the request's future with ``loop.call_soon_threadsafe``."""
+
+    def __init__(self, work: Callable[[], object]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._work = work
+        self._jobs: queue.SimpleQueue[asyncio.Future[float] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bench-floor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        get, work, call = self._jobs.get, self._work, self._loop.call_soon_threadsafe
+        while True:
+            fut = get()
+            if fut is None:
+                return
+            work()
+            call(fut.set_result, time.perf_counter())
+
+    async def hop(self) -> float:
+        """Run the work on the thread; returns when the thread finished it (perf_counter)."""
+        fut: asyncio.Future[float] = self._loop.create_future()
+        self._jobs.put(fut)
+        return await fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def _pairs(
@@ -207,6 +250,12 @@ def _pairs(
     return [(f"host->{name}", host, on_dev), (f"{name}->host", on_dev, back)]
 
 
+def _copyto_seconds(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
 async def _bench_device(
     env: Environment,
     dev: EpDevice,
@@ -215,101 +264,130 @@ async def _bench_device(
     sizes: Sequence[int],
     quick: bool,
 ) -> None:
-    budget, reps, n_lat = (0.0, 2, 20) if quick else (0.1, 3, 200)
+    reps, rounds, block = (2, 3, 5) if quick else (5, 20, 10)
     for nbytes in sizes:
         a = np.ones(nbytes, np.uint8)
         b = np.empty_like(a)
-
-        async def baseline(a: npt.NDArray[np.uint8] = a, b: npt.NDArray[np.uint8] = b) -> None:
-            np.copyto(b, a)
-
         size = _size(nbytes)
-        name = f"copy {size}: numpy.copyto (beside {_label(dev)})"
-        base = min(
-            (await _measure(report, name, baseline, values=reps, budget=budget)).get_values()
-        )
-        for label, src, dst in _pairs(env, dev, nbytes):
-
-            async def copy(src: Any = src, dst: Any = dst) -> None:
+        pairs = _pairs(env, dev, nbytes)
+        copies: list[list[float]] = [[] for _ in pairs]
+        warm: list[list[float]] = [[] for _ in pairs]
+        base: list[float] = []
+        base_warm = [_copyto_seconds(b, a)]  # first touch of b's pages
+        for k, (_, src, dst) in enumerate(pairs):
+            t0 = time.perf_counter()
+            await env.copy_tensors([src], [dst], stream)
+            warm[k].append(time.perf_counter() - t0)
+        # numpy.copyto timed directly (no coroutine around it), alternated with aioep's runs.
+        for _ in range(reps):
+            base.append(_copyto_seconds(b, a))
+            for k, (_, src, dst) in enumerate(pairs):
+                t0 = time.perf_counter()
                 await env.copy_tensors([src], [dst], stream)
-
-            bench = await _measure(
-                report, f"copy {size}: {label}", copy, values=reps, budget=budget
-            )
+                copies[k].append(time.perf_counter() - t0)
+        name = f"copy {size}: numpy.copyto (beside {_label(dev)})"
+        best_base = min(_benchmark(report, name, base, base_warm).get_values())
+        for k, (label, _, _) in enumerate(pairs):
+            bench = _benchmark(report, f"copy {size}: {label}", copies[k], warm[k])
             t = min(bench.get_values())  # best of N: the bandwidth the path can reach
             report.bandwidth.append(
-                BandwidthPoint(label, nbytes, nbytes / t / 1e9, nbytes / base / 1e9)
+                BandwidthPoint(label, nbytes, nbytes / t / 1e9, nbytes / best_base / 1e9)
             )
 
     a4 = np.ones(LATENCY_BYTES, np.uint8)
     b4 = np.empty_like(a4)
+    floor = _HopThread(lambda: np.copyto(b4, a4))
 
     async def to_thread() -> None:
         await anyio.to_thread.run_sync(np.copyto, b4, a4)
 
+    async def copyto_sleep0() -> None:
+        np.copyto(b4, a4)
+        await asyncio.sleep(0)
+
     size = _size(LATENCY_BYTES)
-    name = f"latency {size}: to_thread (beside {_label(dev)})"
-    thread_us = (await _measure(report, name, to_thread, values=n_lat)).median() * 1e6
-    for label, src, dst in _pairs(env, dev, LATENCY_BYTES):
+    try:
+        for label, src, dst in _pairs(env, dev, LATENCY_BYTES):
 
-        async def small(src: Any = src, dst: Any = dst) -> None:
-            await env.copy_tensors([src], [dst], stream)
+            async def small(src: Any = src, dst: Any = dst) -> None:
+                await env.copy_tensors([src], [dst], stream)
 
-        bench = await _measure(report, f"latency {size}: {label}", small, values=n_lat)
-        report.copy_latency.append(
-            LatencyPoint(label, bench.median() * 1e6, thread_us, "to_thread")
-        )
-    if stream is not None:
-        label = _label(dev)
-        ours = await _wake_latency(env, dev, stream, n_lat)
-        theirs = await _call_soon_threadsafe_latency(n_lat)
-        # The first sample of each is a warm-up (thread start-up, first wake of the loop).
-        ours_us = math.nan
-        if ours:
-            warm, timed = (ours[:1], ours[1:]) if len(ours) > 1 else ([], ours)
-            ours_us = _benchmark(report, f"wake: {label}", timed, warm).median() * 1e6
-        name = f"wake: call_soon_threadsafe (beside {label})"
-        theirs_us = _benchmark(report, name, theirs[1:], theirs[:1]).median() * 1e6
-        report.wake_latency.append(LatencyPoint(label, ours_us, theirs_us, "call_soon_threadsafe"))
+            # The fair floor does what aioep does: no hop where the copy ran inline.
+            probe = env.copy_tensors([src], [dst], stream)
+            inline = probe.done()
+            await probe
+            floor_name = "numpy.copyto + sleep(0)" if inline else "thread + call_soon_threadsafe"
+            ours, fair, naive = await _interleaved(
+                report,
+                [
+                    (f"latency {size}: {label}", small),
+                    (
+                        f"latency {size}: {floor_name} (beside {label})",
+                        copyto_sleep0 if inline else floor.hop,
+                    ),
+                    (f"latency {size}: to_thread (beside {label})", to_thread),
+                ],
+                rounds=rounds,
+                block=block,
+            )
+            report.copy_latency.append(
+                LatencyPoint(
+                    label,
+                    ours.median() * 1e6,
+                    fair.median() * 1e6,
+                    floor_name,
+                    naive.median() * 1e6,
+                    "to_thread",
+                )
+            )
+        if stream is not None:
+            label = _label(dev)
+            ours_s, theirs_s = await _wake_latency(env, dev, stream, 20 if quick else 200)
+            # The first sample of each is a warm-up (thread start-up, first wake of the loop).
+            ours_us = math.nan
+            if ours_s:
+                warm_s, timed = (ours_s[:1], ours_s[1:]) if len(ours_s) > 1 else ([], ours_s)
+                ours_us = _benchmark(report, f"wake: {label}", timed, warm_s).median() * 1e6
+            name = f"wake: call_soon_threadsafe (beside {label})"
+            theirs_us = _benchmark(report, name, theirs_s[1:], theirs_s[:1]).median() * 1e6
+            report.wake_latency.append(
+                LatencyPoint(label, ours_us, theirs_us, "call_soon_threadsafe")
+            )
+    finally:
+        floor.close()
 
 
 def _stamp(into: list[tuple[float, int]]) -> None:
     into.append((time.perf_counter(), threading.get_ident()))
 
 
-async def _wake_latency(env: Environment, dev: EpDevice, stream: SyncStream, n: int) -> list[float]:
-    """Times (s) from the stream thread completing a copy to the awaiting task running."""
+async def _wake_latency(
+    env: Environment, dev: EpDevice, stream: SyncStream, n: int
+) -> tuple[list[float], list[float]]:
+    """Times (s) from a thread finishing a copy to the awaiting task running: aioep's stream
+    thread, and a persistent thread calling ``call_soon_threadsafe`` after the same memcpy,
+    sample by sample in turn. aioep's list is empty when every copy completed inline."""
     _, src, dst = _pairs(env, dev, WAKE_BYTES)[0]
-    samples: list[float] = []
-    here = threading.get_ident()
-    for _ in range(n + 1):
-        stamp: list[tuple[float, int]] = []
-        fut = env.copy_tensors([src], [dst], stream)
-        fut.notification.impl.add_done_callback(functools.partial(_stamp, stamp))
-        await fut
-        woke = time.perf_counter()
-        if stamp and stamp[0][1] != here:  # completed on the device thread, not inline
-            samples.append(woke - stamp[0][0])
-    return samples  # empty when every copy completed inline: no wake to time
-
-
-async def _call_soon_threadsafe_latency(n: int) -> list[float]:
-    """The same measurement for a plain thread that wakes the loop with call_soon_threadsafe."""
-    loop = asyncio.get_running_loop()
     a = np.ones(WAKE_BYTES, np.uint8)
     b = np.empty_like(a)
-    samples: list[float] = []
-    for _ in range(n + 1):
-        fut: asyncio.Future[float] = loop.create_future()
-
-        def work(fut: asyncio.Future[float] = fut) -> None:
-            np.copyto(b, a)
-            loop.call_soon_threadsafe(fut.set_result, time.perf_counter())
-
-        threading.Thread(target=work, daemon=True).start()
-        stamped = await fut
-        samples.append(time.perf_counter() - stamped)
-    return samples
+    floor = _HopThread(lambda: np.copyto(b, a))
+    ours: list[float] = []
+    theirs: list[float] = []
+    here = threading.get_ident()
+    try:
+        for _ in range(n + 1):
+            stamp: list[tuple[float, int]] = []
+            fut = env.copy_tensors([src], [dst], stream)
+            fut.notification.impl.add_done_callback(functools.partial(_stamp, stamp))
+            await fut
+            woke = time.perf_counter()
+            if stamp and stamp[0][1] != here:  # completed on the device thread, not inline
+                ours.append(woke - stamp[0][0])
+            stamped = await floor.hop()
+            theirs.append(time.perf_counter() - stamped)
+    finally:
+        floor.close()
+    return ours, theirs
 
 
 async def run_bench(
@@ -384,17 +462,38 @@ def format_report(report: BenchReport) -> str:
         lines.append(
             f"  {p.pair:<20}{_size(p.nbytes):>10}{p.aioep_gbps:>10.2f}{p.baseline_gbps:>14.2f}{ratio:>8.2f}"
         )
-    for title, points in (
-        (f"copy latency, {LATENCY_BYTES // KiB} KiB (us, median)", report.copy_latency),
-        ("wake latency (us, median)", report.wake_latency),
-    ):
-        if not points:
-            continue
-        base = points[0].baseline
+    if report.copy_latency:
+        title = f"copy latency, {LATENCY_BYTES // KiB} KiB (us, median)"
+        lines += [
+            "",
+            f"{title:<32}{'aioep':>10}{'fair floor':>12}{'ratio':>8}{'to_thread':>11}{'ratio':>8}",
+        ]
+        for q in report.copy_latency:
+            fair = q.aioep_us / q.baseline_us if q.baseline_us else math.nan
+            naive = q.aioep_us / q.naive_us if q.naive_us else math.nan
+            lines.append(
+                f"  {q.name:<30}{q.aioep_us:>10.1f}{q.baseline_us:>12.1f}{fair:>8.2f}"
+                f"{q.naive_us:>11.1f}{naive:>8.2f}"
+            )
+        floors = sorted({q.baseline for q in report.copy_latency})
+        lines.append(
+            "  fair floor: the same copy with the same thread hops ("
+            + "; ".join(
+                f"{f}: {', '.join(q.name for q in report.copy_latency if q.baseline == f)}"
+                for f in floors
+            )
+            + ")"
+        )
+    if report.wake_latency:
+        title = "wake latency (us, median)"
+        base = report.wake_latency[0].baseline
         lines += ["", f"{title:<32}{'aioep':>10}{base:>22}{'ratio':>8}"]
-        for q in points:
+        for q in report.wake_latency:
             ratio = q.aioep_us / q.baseline_us if q.baseline_us else math.nan
             lines.append(f"  {q.name:<30}{q.aioep_us:>10.1f}{q.baseline_us:>22.1f}{ratio:>8.2f}")
+        lines.append(
+            "  baseline: a persistent thread calling call_soon_threadsafe after the same memcpy"
+        )
     return "\n".join(lines)
 
 

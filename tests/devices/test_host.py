@@ -160,6 +160,7 @@ def test_parallel_copy_uses_every_worker(monkeypatch: pytest.MonkeyPatch) -> Non
         return int(real(dst, src, n))
 
     monkeypatch.setattr(host, "_memmove", spy)
+    monkeypatch.setattr(host, "small_memmove", spy)  # small copies keep the GIL
     transfer = HostDataTransfer(workers=3)
     n = 3 * transfer.parallel_threshold + 12345
     src = aioep.Tensor.from_numpy(np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8))

@@ -480,9 +480,11 @@ def check_invariants(a: ArenaAllocator, live: list[aioep.Buffer]) -> None:
 
 def check_pool_index(a: ArenaAllocator, live: list[aioep.Buffer]) -> None:
     """The pool's indexes (each core's bins, address map and per-stream index of free
-    chunks; the parked lists) against a brute-force walk of the chunks, without taking
-    the parked chunks back (as ``chunks()`` does)."""
+    chunks; the parked and cached lists and the table hits look in) against a
+    brute-force walk of the chunks, without taking the parked chunks back (as
+    ``chunks()`` does)."""
     assert a.live_buffers == len(live)  # (takes released chunks back, parks them)
+    assert not a._returned
     pool = a._pool
     parked_ids: set[int] = set()
     for core in pool.cores:
@@ -503,15 +505,43 @@ def check_pool_index(a: ArenaAllocator, live: list[aioep.Buffer]) -> None:
     for owner, cls, chunks in lists:
         assert owner is None or chunks, "no empty stream lists"
         assert len(chunks) <= MAX_PARKED
-        assert [c.ptr for c in chunks] == sorted((c.ptr for c in chunks), reverse=True)
+        if owner is None:  # smallest, lowest address first (hits pop(0))
+            assert [c.key for c in chunks] == sorted(c.key for c in chunks)
+            assert all(c.key == c.size << 64 | c.ptr for c in chunks)
+        else:  # highest address first (pop() gives the lowest)
+            assert [c.ptr for c in chunks] == sorted((c.ptr for c in chunks), reverse=True)
         for c in chunks:
             assert c.in_use
             assert c.tag is owner
             assert c.cls == cls
             assert c.region.core is pool.small
+            assert owner is not None or c.home is chunks, "a host chunk's home is its list"
             assert id(c) not in parked_ids, "a chunk parked twice"
             parked_ids.add(id(c))
-    held = {id(b._chunk) for b in live if b.nbytes}  # type: ignore[attr-defined]
+    for octave, chunks in enumerate(pool.cached):  # freed large host chunks, as they are
+        assert len(chunks) <= MAX_PARKED
+        assert [c.key for c in chunks] == sorted(c.key for c in chunks)
+        assert all(c.key == c.size << 64 | c.ptr for c in chunks)
+        for c in chunks:
+            assert c.in_use
+            assert c.tag is None
+            assert c.size > PARK_MAX
+            assert c.size.bit_length() == octave
+            assert c.home is chunks
+            assert not c.region.dedicated
+            assert id(c) not in parked_ids, "a chunk cached twice"
+            parked_ids.add(id(c))
+    # The lists hits pop are the host lists, each under the sizes of its class.
+    for i, chunks in enumerate(a._table):
+        if chunks is not None:
+            assert pool.parked[a._size_class((i << 8) + 1)] is chunks
+            assert pool.parked[a._size_class((i + 1) << 8)] is chunks
+    # The statistics the hits keep, against the live buffers (stats() would take the
+    # parked and cached chunks back first).
+    sized = [b for b in live if b.nbytes]
+    assert a._in_use == sum(b._chunk.size for b in sized)  # type: ignore[attr-defined]
+    assert a._max_in_use >= a._in_use
+    held = {id(b._chunk) for b in sized}  # type: ignore[attr-defined]
     in_use = {
         id(c)
         for core in pool.cores
@@ -559,7 +589,7 @@ def test_random_sequences_keep_invariants(
     a = arena(initial_chunk_size_bytes=initial, extend_strategy=strategy)
     streams: list[SyncStream | None] = [None, mock_stream(), mock_stream()]
     live: list[aioep.Buffer] = []
-    for kind, x, y in ops:
+    for step, (kind, x, y) in enumerate(ops):
         if kind == "alloc":
             live.append(a.alloc(x, stream=streams[y]))
         elif kind == "free" and live:
@@ -580,7 +610,9 @@ def test_random_sequences_keep_invariants(
         elif kind == "shrink":
             a.shrink()
         check_pool_index(a, live)
-        check_invariants(a, live)
+        if step % 4 == 3:  # (it takes the parked and cached chunks back: not every step)
+            check_invariants(a, live)
+    check_invariants(a, live)
     for buf in live:
         buf.free()
     check_pool_index(a, [])

@@ -48,7 +48,14 @@ async def test_quick_run_on_host_has_every_section() -> None:
     assert [q.name for q in report.copy_latency] == ["host->host"]
     assert [q.name for q in report.wake_latency] == ["host"]
     text = format_report(report)
-    for heading in ("copy bandwidth", "numpy.copyto", "to_thread", "call_soon_threadsafe"):
+    for heading in (
+        "copy bandwidth",
+        "numpy.copyto",
+        "fair floor",
+        "to_thread",
+        "call_soon_threadsafe",
+        "persistent thread",
+    ):
         assert heading in text
     assert json.loads(json.dumps(report.to_json()))["bandwidth"][0]["pair"] == "host->host"
 
@@ -103,8 +110,13 @@ async def test_statistics_come_from_pyperf(tmp_path: Path) -> None:
     assert point.aioep_gbps == pytest.approx(65536 / min(copy.get_values()) / 1e9)
     (latency,) = report.copy_latency
     assert latency.aioep_us == pytest.approx(suite["latency 4 KiB: host->host"].median() * 1e6)
+    # A 4 KiB host copy runs inline: its fair floor is the same copy with no hop either.
+    assert latency.baseline == "numpy.copyto + sleep(0)"
     assert latency.baseline_us == pytest.approx(
-        suite["latency 4 KiB: to_thread (beside host)"].median() * 1e6
+        suite["latency 4 KiB: numpy.copyto + sleep(0) (beside host->host)"].median() * 1e6
+    )
+    assert latency.naive_us == pytest.approx(
+        suite["latency 4 KiB: to_thread (beside host->host)"].median() * 1e6
     )
     assert "wake: call_soon_threadsafe (beside host)" in suite
     assert "benchmarks" not in report.to_json()

@@ -205,9 +205,11 @@ class _GateJob:
 
 
 class CudaDataTransfer(DataTransfer):
-    """H2D, D2H and D2D (same device and peer) copies, pinned or pageable host memory."""
+    """H2D, D2H and D2D (same device and peer) copies, pinned or pageable host memory.
 
-    max_inline_bytes = 0  # never copy on the event loop
+    Never copies on the event loop (``can_copy_inline`` stays False): every copy is a
+    driver call that may wait on the driver's lock.
+    """
 
     def __init__(self, devices: Mapping[int, CudaDevice], owner: Any, staging: Staging) -> None:
         self._devices = dict(devices)

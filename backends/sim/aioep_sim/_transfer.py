@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aioep import DeviceType, MemoryDevice, Tensor
-from aioep.abc import CopyPair, DataTransfer, StreamImpl
+from aioep.abc import CopyPair, DataTransfer, HostNotification, StreamImpl
 
 from ._device import SIM_VENDOR_ID, SimDevice
 from ._options import SimOptions
@@ -17,11 +18,29 @@ from ._stream import SimStream
 
 __all__ = ["SimDataTransfer"]
 
-INLINE_BYTES = 64 * 1024
-"""Free copies (no latency, no bandwidth limit) up to this size run on the caller when the
-stream is idle, as a driver stages a small pageable copy and returns."""
+OWN_STREAMS = 4
+"""Streams per device for copies without a stream (``enqueue_unstreamed``): a copy goes to
+an idle one, so one caller's copy never waits behind another's while one of them is free."""
 
 _memmove = ctypes.memmove  # releases the GIL while it copies
+
+
+def _gil_holding_memmove() -> Any:
+    try:
+        memmove = ctypes.PyDLL(None).memmove  # PyDLL: the call keeps the GIL
+    except (AttributeError, OSError, TypeError):  # pragma: no cover - no dlopen(NULL) here
+        return _memmove
+    memmove.restype = ctypes.c_void_p
+    memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memmove
+
+
+_small_memmove = _gil_holding_memmove()
+SMALL_COPY_BYTES = 64 << 10
+"""Copies up to this size keep the GIL: giving it up costs more than the copy, and lets
+another thread keep it meanwhile (an inline copy on the event loop would wait for it)."""
+
+_Engines = tuple[tuple[SimDevice, str], ...]
 
 
 class SimDataTransfer(DataTransfer):
@@ -32,14 +51,27 @@ class SimDataTransfer(DataTransfer):
     ``nbytes / bandwidth``: host-to-device copies hold the target's H2D engine,
     device-to-host copies the source's D2H engine, same-device copies its D2D
     engine, and peer copies the source's D2H and the target's H2D engines.
+
+    Free copies (no latency, no bandwidth limit) are plain memmoves
+    (`can_copy_inline`): the core runs small ones on the caller while its inline
+    budget allows. Copies without a stream otherwise go to one of the device's own
+    streams (`enqueue_unstreamed`), whose worker wakes the awaiting task.
     """
 
     def __init__(self, devices: Mapping[int, SimDevice], options: SimOptions) -> None:
         self._devices = dict(devices)
         self._latency = options.latency_us * 1e-6
         self._bytes_per_s = options.bandwidth_gbps * 1e9
-        free = self._latency == 0 and self._bytes_per_s == 0
-        self.max_inline_bytes = INLINE_BYTES if free else 0
+        self._free = self._latency == 0 and self._bytes_per_s == 0
+        # Per memory device: the sim device whose private memory it is (None for memory the
+        # host addresses), and the sim device it belongs to at all (pinned memory too).
+        self._private: dict[MemoryDevice, SimDevice | None] = {}
+        self._owner: dict[MemoryDevice, SimDevice | None] = {}
+        self._engines: dict[tuple[SimDevice | None, SimDevice | None], _Engines] = {}
+        self._lock = threading.Lock()
+        self._own: dict[int, list[SimStream]] = {}  # device id -> its streams for un-streamed
+        self._turn = 0
+        self._closed = False
 
     def _sim_device(self, memory: MemoryDevice) -> SimDevice | None:
         if memory.vendor_id != SIM_VENDOR_ID or memory.device_type is not DeviceType.GPU:
@@ -58,21 +90,100 @@ class SimDataTransfer(DataTransfer):
     def can_use_stream(self, stream: StreamImpl) -> bool:
         return isinstance(stream, SimStream)
 
+    def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
+        """True for free copies (no latency, no bandwidth limit): memmoves that never wait."""
+        return self._free
+
     def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
         batch = list(pairs)
         if stream is None:
             self._run(batch)
             return
         assert isinstance(stream, SimStream)
-        inline = bool(self.max_inline_bytes) and (
-            sum(s.nbytes for s, _ in batch) <= self.max_inline_bytes
-        )
         # The closure holds the tensors, so their buffers outlive the copy.
-        stream.enqueue(functools.partial(self._run, batch), inline=inline)
+        stream.enqueue(functools.partial(self._run, batch))
+
+    def enqueue_unstreamed(self, pairs: Sequence[CopyPair]) -> HostNotification | None:
+        """Enqueue the batch on an idle stream of the device (one of ``OWN_STREAMS``) and
+        return its mark: the stream's worker runs the copies and wakes the awaiting task."""
+        batch = list(pairs)
+        stream = self._own_stream(self._batch_device(batch))
+        if stream is None:
+            return None  # closed: the core runs it
+        stream.enqueue(functools.partial(self._run, batch))
+        mark = stream.create_notification()
+        mark.activate()
+        return mark
+
+    def _batch_device(self, pairs: list[CopyPair]) -> SimDevice:
+        for s, d in pairs:
+            for t in (d, s):
+                dev = self._owner_of(t.device)
+                if dev is not None:
+                    return dev
+        raise AssertionError("can_copy routed a batch with no sim memory to the sim")
+
+    def _own_stream(self, device: SimDevice) -> SimStream | None:
+        with self._lock:
+            if self._closed:
+                return None
+            streams = self._own.setdefault(device.device_id, [])
+            for stream in streams:
+                if stream.query():
+                    return stream
+            if len(streams) < OWN_STREAMS:
+                stream = SimStream(device)
+                streams.append(stream)
+                return stream
+            self._turn += 1  # all busy: take turns
+            return streams[self._turn % len(streams)]
+
+    def close(self) -> None:
+        """Close the device's own streams (the core drained the copies first)."""
+        with self._lock:
+            self._closed = True
+            streams = [s for own in self._own.values() for s in own]
+            self._own.clear()
+        for stream in streams:
+            stream.close()
 
     def _run(self, pairs: list[CopyPair]) -> None:
         for src, dst in pairs:
             self._copy(src, dst)
+
+    def _private_of(self, memory: MemoryDevice) -> SimDevice | None:
+        try:
+            return self._private[memory]
+        except KeyError:
+            dev = None if memory.is_host_accessible else self._sim_device(memory)
+            self._private[memory] = dev
+            return dev
+
+    def _owner_of(self, memory: MemoryDevice) -> SimDevice | None:
+        try:
+            return self._owner[memory]
+        except KeyError:
+            dev = self._owner[memory] = self._sim_device(memory)
+            return dev
+
+    def _engines_for(self, sdev: SimDevice | None, ddev: SimDevice | None) -> _Engines:
+        key = (sdev, ddev)
+        engines = self._engines.get(key)
+        if engines is None:
+            if sdev is not None and ddev is not None:
+                if sdev is ddev:
+                    engines = ((sdev, "d2d"),)
+                else:
+                    pair = sorted([(sdev, "d2h"), (ddev, "h2d")], key=lambda e: e[0].device_id)
+                    engines = tuple(pair)
+            elif sdev is not None:
+                engines = ((sdev, "d2h"),)
+            elif ddev is not None:
+                engines = ((ddev, "h2d"),)
+            else:
+                engines = ()  # host <-> pinned: a host memcpy, no engine
+            self._engines[key] = engines
+        return engines
 
     def _side(self, t: Tensor, dev: SimDevice | None, n: int) -> tuple[int, Any]:
         """(host address to copy at, object to keep alive while copying)."""
@@ -86,39 +197,32 @@ class SimDataTransfer(DataTransfer):
         if n == 0:
             return
         sinfo, dinfo = src.device, dst.device
-        sdev = None if sinfo.is_host_accessible else self._sim_device(sinfo)
-        ddev = None if dinfo.is_host_accessible else self._sim_device(dinfo)
+        sdev, ddev = self._private_of(sinfo), self._private_of(dinfo)
         if ddev is not None and sdev is not ddev:
             ddev.check_alive("copy")
-        owner = sdev or ddev or self._sim_device(sinfo) or self._sim_device(dinfo)
+        owner = sdev or ddev or self._owner_of(sinfo) or self._owner_of(dinfo)
         assert owner is not None  # can_copy checked it
         owner.begin_copy()  # raises if lost (or injected to fail)
         # Resolve device addresses when the copy runs: freed memory is an illegal address.
         src_addr, src_keep = self._side(src, sdev, n)
         dst_addr, dst_keep = self._side(dst, ddev, n)
+        memmove = _small_memmove if n <= SMALL_COPY_BYTES else _memmove
+        if self._free:
+            memmove(dst_addr, src_addr, n)
+            return
         if self._latency:
-            # Runs on a stream's worker thread or the core's copy executor, never inline on
-            # the event loop: max_inline_bytes is 0 whenever latency or bandwidth is set.
+            # Runs on a stream's worker thread or a copy thread, never inline on the event
+            # loop: can_copy_inline is False whenever latency or bandwidth is set.
             time.sleep(self._latency)  # loop-safe
         if not self._bytes_per_s:
-            _memmove(dst_addr, src_addr, n)
+            memmove(dst_addr, src_addr, n)
             return
-        if sdev is not None and ddev is not None:
-            if sdev is ddev:
-                engines = [(sdev, "d2d")]
-            else:
-                engines = sorted([(sdev, "d2h"), (ddev, "h2d")], key=lambda e: e[0].device_id)
-        elif sdev is not None:
-            engines = [(sdev, "d2h")]
-        elif ddev is not None:
-            engines = [(ddev, "h2d")]
-        else:
-            engines = []  # host <-> pinned: a host memcpy, no engine
+        engines = self._engines_for(sdev, ddev)
         for dev, name in engines:
             dev.engines[name].acquire()
         try:
             start = time.perf_counter()
-            _memmove(dst_addr, src_addr, n)
+            memmove(dst_addr, src_addr, n)
             remaining = start + n / self._bytes_per_s - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # loop-safe: bandwidth set means never inline (see above)
