@@ -307,7 +307,11 @@ def test_dlpack_capsule_layout_and_release() -> None:
     # NULL strides mean C-contiguous in the legacy ABI (numpy 2.2 writes NULL there, 2.3
     # writes the element strides): either way the layout is row-major.
     assert not dl.strides or [dl.strides[i] for i in range(2)] == [3, 1]
-    # A consumer calls the deleter when done with the memory:
+    # A consumer takes the capsule (renames it, so its destructor leaves the tensor alone)
+    # and calls the deleter when done with the memory:
+    set_name = ctypes.pythonapi["PyCapsule_SetName"]
+    set_name.restype, set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    assert set_name(capsule, b"used_dltensor") == 0
     managed.deleter(ctypes.pointer(managed))
     assert live_exports() == base
     # An unconsumed capsule releases the tensor when it dies.
