@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,9 +30,9 @@ from .._streams.notification import Notification, wait_blocking
 from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
-from .._tensors.ownership import Scope
-from .._tensors.tensor import Tensor, checked_host_tensor
-from .future import CopyFuture
+from .._tensors.ownership import Scope, owned_by
+from .._tensors.tensor import Tensor, checked_host_tensor, copy_pairs
+from .future import _PENDING, CopyFuture
 from .workers import CopyWorkers
 
 if TYPE_CHECKING:
@@ -95,14 +95,25 @@ class CopyDispatcher:
     ) -> CopyFuture:
         """Validate the batch, enqueue or run it, and return its future (see
         `Environment.copy_tensors`)."""
-        if allow_reshape is not False and allow_reshape is not True:
+        if allow_reshape is False:
+            ts, td = type(src), type(dst)
+            if (ts is list or ts is tuple) and (td is list or td is tuple):
+                # The fast paths: a few tensors or arrays on a route already taken. Each
+                # takes only what the general path below would accept, and leaves anything
+                # else (to accept, or to refuse with the full message) to it.
+                if stream is None:
+                    done = _copy_small_arrays(src, dst, self._transfers, self._budget)
+                    if done is not None:
+                        return CopyFuture.completed(done, _COMPLETED)
+                    future = self._fast_unstreamed(src, dst)
+                else:
+                    future = self._fast_streamed(src, dst, stream)
+                if future is not None:
+                    return future
+        elif allow_reshape is not True:
             raise InvalidArgument(
                 f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
             )
-        if stream is None and not allow_reshape:
-            done = _copy_small_arrays(src, dst, self._transfers, self._budget)
-            if done is not None:
-                return CopyFuture.completed(done, _COMPLETED)
         # Foreign tensors (DLPack, CUDA Array Interface) become tensors here.
         src, dst, waits = import_copy_args(src, dst, self._importers, stream)
         # The registry changes its list in place, maybe from another thread: route over a
@@ -120,7 +131,7 @@ class CopyDispatcher:
                 scope=self._scope,
             )
             return self._copy_unstreamed(plan, waits)
-        if not isinstance(stream, SyncStream):
+        if type(stream) is not SyncStream and not isinstance(stream, SyncStream):
             raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
         stream._check_open()
         stream_lib = self._stream_library(stream)
@@ -161,11 +172,133 @@ class CopyDispatcher:
                 raise error from exc
         stream._enqueued()
         mark = stream.record()
-        _note_use(plan, mark)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream)
-        if not future.done():
-            self._track(future, frozenset(plan.libraries | {stream_lib}))
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream, on_done=self._forget)
+        self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
+
+    def _fast_streamed(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike], stream: SyncStream
+    ) -> CopyFuture | None:
+        """The fast path of a copy on a stream (see `copy`), or None to take the general
+        path: tensors or C-contiguous arrays on routes this stream already took."""
+        if len(src) > _FAST_PATH_MAX_PAIRS or (
+            type(stream) is not SyncStream and not isinstance(stream, SyncStream)
+        ):
+            return None
+        routes = stream._routes
+        memo = routes.memo(self._transfers)  # emptied when the stream closes
+        stream_lib = memo.get(self)  # set by _stream_library
+        if stream_lib is None:
+            return None
+        batch = copy_pairs(src, dst)
+        if batch is None:
+            return None
+        pairs, sources, dests, users = batch
+        entry = self._fast_route(pairs, users, memo, routes, stream_lib)
+        if entry is None:
+            return None
+        transfer, libraries = entry
+        impl = stream.impl
+        worker = impl if isinstance(impl, ThreadStream) else None
+        if worker is not None:
+            # Its worker is woken once, when the copies, their mark and their future are
+            # made: woken at the first copy, it would only wait for this thread to let go
+            # of the interpreter (and be woken a second time then).
+            worker.hold_wakeups()
+        try:
+            try:
+                if worker is not None and transfer.can_copy_inline(pairs):
+                    self._copy_on_worker(worker, transfer, pairs)
+                else:
+                    transfer.copy_tensors(pairs, impl)
+            except Exception as exc:
+                error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
+                if error is exc:
+                    raise
+                raise error from exc
+            stream._enqueued()
+            future = CopyFuture(
+                sources, dests, stream.record(), stream, on_done=self._forget, pinned=users
+            )
+            self._track(future, libraries)
+        finally:
+            if worker is not None:
+                worker.flush()
+        return future
+
+    def _fast_unstreamed(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike]
+    ) -> CopyFuture | None:
+        """The fast path of a copy without a stream that a backend enqueues itself
+        (``enqueue_unstreamed``; see `copy`), or None to take the general path."""
+        if len(src) > _FAST_PATH_MAX_PAIRS:
+            return None
+        batch = copy_pairs(src, dst)
+        if batch is None:
+            return None
+        pairs, sources, dests, users = batch
+        routes = self._routes
+        entry = self._fast_route(pairs, users, routes.memo(self._transfers), routes, None)
+        if entry is None:
+            return None
+        transfer, libraries = entry
+        if transfer.can_copy_inline(pairs):
+            return None  # the inline budget or the copy workers: the general path's
+        try:
+            started = transfer.enqueue_unstreamed(pairs)
+        except Exception as exc:
+            error = translate_backend_error(exc, f"enqueueing copies ({_describe(transfer)})")
+            if error is exc:
+                raise
+            raise error from exc
+        if started is None:  # the backend leaves it to the copy workers
+            plan = CopyPlan(sources, dests, [(transfer, pairs)])
+            plan.libraries = set(libraries)
+            return self._on_workers(plan, _run_plan)
+        future = CopyFuture(
+            sources,
+            dests,
+            Notification._of(started),
+            _describe(transfer),
+            on_done=self._forget,
+            pinned=users,
+        )
+        self._track(future, libraries)
+        return future
+
+    def _fast_route(
+        self,
+        pairs: list[CopyPair],
+        users: list[Tensor],
+        memo: dict[Hashable, Any],
+        routes: RouteCache,
+        stream_lib: str | None,
+    ) -> tuple[DataTransfer, frozenset[str]] | None:
+        """The one transfer that copies every pair and the libraries a copy through it
+        uses, from ``routes`` (what the general path found before); None if a pair has no
+        route there yet, the pairs need several transfers, or a tensor the caller passed
+        is device memory of another environment."""
+        scope = self._scope
+        if scope is not None:
+            for t in users:
+                if t.buffer.allocator is not None and not owned_by(t, scope):
+                    return None
+        found: tuple[DataTransfer, frozenset[str]] | None = None
+        for s, d in pairs:
+            key = (s.buffer.memory_info.device, d.buffer.memory_info.device)
+            entry = memo.get(key)
+            if entry is None:
+                route = routes.table(self._transfers).get(key)
+                if route is None:
+                    return None  # never routed: the general path routes it (or says why not)
+                library, transfer = route
+                libraries = frozenset((library,) if stream_lib is None else (library, stream_lib))
+                entry = memo[key] = (transfer, libraries)
+            if found is None:
+                found = entry
+            elif entry[0] is not found[0]:
+                return None
+        return found
 
     def _copy_on_worker(
         self, worker: ThreadStream, transfer: DataTransfer, pairs: list[CopyPair]
@@ -183,8 +316,16 @@ class CopyDispatcher:
         worker.enqueue(functools.partial(budget.run_off_loop, kind, nbytes, copy, pairs, None))
 
     def _stream_library(self, stream: SyncStream) -> str:
+        # Remembered in the stream's route cache while the transfers stay as they are: a
+        # library with open streams cannot be unregistered, and a closed stream takes no
+        # copies.
+        memo = stream._routes.memo(self._transfers)
+        name = memo.get(self)
+        if name is not None:
+            return name  # type: ignore[no-any-return]
         for lib in self._libraries.values():
             if stream in lib.streams:
+                memo[self] = lib.name
                 return lib.name
         raise InvalidArgument(f"{stream!r} does not belong to this environment")
 
@@ -228,11 +369,14 @@ class CopyDispatcher:
                         raise
                     raise error from exc
             if started is not None:
-                mark = Notification(started)
-                _note_use(plan, mark)
-                future = CopyFuture(plan.src + plan.dst, plan.dst, mark, _describe(transfer))
-                if not future.done():
-                    self._track(future, frozenset(plan.libraries))
+                future = CopyFuture(
+                    plan.src + plan.dst,
+                    plan.dst,
+                    Notification(started),
+                    _describe(transfer),
+                    on_done=self._forget,
+                )
+                self._track(future, frozenset(plan.libraries))
                 return future
         return self._on_workers(plan, _run_plan)
 
@@ -242,17 +386,19 @@ class CopyDispatcher:
         """Run ``plan`` on a copy worker, which completes the future's notification."""
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        mark = Notification(signal)
-        _note_use(plan, mark)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
+        mark = Notification._of(signal)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what, on_done=self._forget)
+        self._track(future, frozenset(plan.libraries))
         self._get_workers().submit(functools.partial(run, plan, self._budget, signal))
-        if not future.done():
-            self._track(future, frozenset(plan.libraries))
         return future
 
     def _track(self, future: CopyFuture, libraries: frozenset[str]) -> None:
-        self._inflight[future] = libraries
-        future._when_done(self._forget)
+        """Count ``future`` in flight until it completes (its ``on_done`` is `_forget`)."""
+        if future._status is _PENDING:
+            self._inflight[future] = libraries
+            # It may have completed meanwhile, its _forget finding nothing to forget yet.
+            if future._status is not _PENDING:
+                self._inflight.pop(future, None)
 
     def _forget(self, future: CopyFuture) -> None:
         self._inflight.pop(future, None)
@@ -396,15 +542,6 @@ def _run_plan(plan: CopyPlan, budget: InlineBudget, signal: HostNotification) ->
     plan.groups.clear()
     plan.packs.clear()
     signal.set(None if failure is None else failure[1])
-
-
-def _note_use(plan: CopyPlan, done: Notification) -> None:
-    """Mark the batch's buffers as used until ``done``: a DLPack export of one of them
-    orders its consumer after the copy (``Buffer.pending_work``)."""
-    for t in plan.src:
-        t.buffer._last_use = done
-    for t in plan.dst:
-        t.buffer._last_use = done
 
 
 def _run_plan_after(

@@ -42,6 +42,16 @@ class Notification:
         # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).
         self._sync_table: dict[int, int] = {}
 
+    @classmethod
+    def _of(cls, impl: NotificationImpl, stream: SyncStream | None = None) -> Notification:
+        """A notification over ``impl`` (of ``stream``) that aioep made itself: the checks of
+        ``__init__`` are known to pass."""
+        note = _new_notification(cls)
+        note._impl = impl
+        note._stream = stream
+        note._sync_table = _NO_SYNC
+        return note
+
     @property
     def impl(self) -> NotificationImpl:
         """The backend's notification object."""
@@ -54,13 +64,14 @@ class Notification:
 
     def activate(self) -> None:
         """Move the mark to the current tail of the producing stream (like re-recording an event)."""
-        if self._stream is not None:
-            self._stream._check_open()
-            self._stream._dirty = False
-            self._stream._tail = self
-            stream = self._stream
-            stream._sync_id += 1
-            self._sync_table = {**stream._sync_clock, stream._uid: stream._sync_id}
+        stream = self._stream
+        if stream is not None:
+            stream._check_open()
+            stream._dirty = False
+            stream._tail = self
+            stream._sync_id = sync_id = stream._sync_id + 1
+            clock = stream._sync_clock
+            self._sync_table = {**clock, stream._uid: sync_id} if clock else {stream._uid: sync_id}
         self._impl.activate()
 
     def wait_on_device(self, stream: SyncStream) -> None:
@@ -117,6 +128,10 @@ class Notification:
     def __repr__(self) -> str:
         where = f" on {self._stream!r}" if self._stream is not None else ""
         return f"<Notification {'done' if self.done() else 'pending'}{where}>"
+
+
+_new_notification = Notification.__new__
+_NO_SYNC: dict[int, int] = {}  # the sync table of a mark never activated on a stream (read-only)
 
 
 def wait_blocking(notification: Notification, timeout: float | None = None) -> None:

@@ -93,10 +93,10 @@ class SyncStream(AsyncResource):
 
     def record(self) -> Notification:
         """Return a notification activated at the current tail of this stream."""
-        self._check_open()
-        notification = Notification(self._impl.create_notification(), self)
-        notification.activate()
-        self._tail = notification
+        if self._closed:
+            self._check_open()
+        notification = Notification._of(self._impl.create_notification(), self)
+        notification.activate()  # makes it the tail
         return notification
 
     def wait(self, notification: Notification) -> None:
@@ -196,6 +196,7 @@ class SyncStream(AsyncResource):
         if self._closed:
             return
         self._closed = True
+        self._routes.clear()  # the copy fast path finds no route on a closed stream
         try:
             self._impl.close()
         finally:

@@ -130,14 +130,28 @@ def _poll(query: Callable[[], bool], timeout: float | None) -> bool:
 
 
 def run_callbacks(callbacks: list[Callable[[], None]]) -> None:
-    """Run and drop each callback in turn.
+    """Run and drop each callback in turn (one that raises is logged, as `call_reporting`).
 
     Each is released before the next runs: a later callback may wake a task that
     expects the objects an earlier one referenced (a copy future) to be gone.
     """
-    callbacks.reverse()
+    if len(callbacks) > 1:
+        callbacks.reverse()
     while callbacks:
-        call_reporting(callbacks.pop())
+        fn = callbacks.pop()
+        try:
+            fn()
+        except Exception as exc:
+            _report(fn, exc)
+            del exc
+        del fn
+
+
+def _report(fn: Callable[..., object], exc: BaseException) -> None:
+    # The text, not exc_info: a record that holds the traceback would keep the frames'
+    # objects (the future, its tensors) alive for as long as a handler keeps it.
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
 def call_reporting(fn: Callable[..., object], *args: Any) -> None:
@@ -149,11 +163,8 @@ def call_reporting(fn: Callable[..., object], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:
-        # The text, not exc_info: a record that holds the traceback would keep the frames'
-        # objects (the future, its tensors) alive for as long as a handler keeps it.
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        _report(fn, exc)
         del exc
-        _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
 class ErrorLane:
@@ -234,22 +245,25 @@ class HostNotification(NotificationImpl):
         self._generation = 0
         self._lane: ErrorLane | None = None  # the lane the current mark was recorded in
         # The last mark (generation) the stream reached, superseded or not, and device-side
-        # waiters for a given mark: a wait captures the mark current when it is enqueued
-        # (cuStreamWaitEvent), so re-activating later never makes it wait for a new mark.
+        # waiters for a given mark (made on first use): a wait captures the mark current
+        # when it is enqueued (cuStreamWaitEvent), so re-activating later never makes it
+        # wait for a new mark.
         self._passed = 0
-        self._passed_waiters: list[tuple[int, Callable[[], None]]] = []
+        self._passed_waiters: list[tuple[int, Callable[[], None]]] | None = None
 
     def activate(self) -> None:
-        if self._stream is None:
+        stream = self._stream
+        if stream is None:
             return
-        lane = _lane_of(self._stream)
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-            self._done = False
-            self._error = None
-            self._lane = lane
-        self._stream._enqueue_signal(self, generation)
+        lane = _lane_of(stream)
+        lock = self._lock
+        lock.acquire()  # nothing below can raise: no try/finally needed
+        self._generation = generation = self._generation + 1
+        self._done = False
+        self._error = None
+        self._lane = lane
+        lock.release()
+        stream._enqueue_signal(self, generation)
 
     def set(self, error: BaseException | None = None, *, generation: int | None = None) -> bool:
         """Mark complete (with the failure of the work before it, if any) and run callbacks.
@@ -260,29 +274,33 @@ class HostNotification(NotificationImpl):
         callbacks = self._mark(error, generation)
         if callbacks is None:
             return False
-        run_callbacks(callbacks)
+        if callbacks:
+            run_callbacks(callbacks)
         return True
 
     def _mark(
         self, error: BaseException | None, generation: int | None
     ) -> list[Callable[[], None]] | None:
         # Complete without running callbacks; returns them, or None if the mark was superseded.
+        released: list[Callable[[], None]] | None = None
         with self._lock:
             passed = self._generation if generation is None else generation
-            released: list[Callable[[], None]] = []
             if passed > self._passed:
                 self._passed = passed
-                if self._passed_waiters:
-                    released = [fn for g, fn in self._passed_waiters if g <= passed]
-                    self._passed_waiters = [w for w in self._passed_waiters if w[0] > passed]
-            superseded = generation is not None and generation != self._generation
-            if not superseded:
+                waiters = self._passed_waiters
+                if waiters:
+                    released = [fn for g, fn in waiters if g <= passed]
+                    self._passed_waiters = [w for w in waiters if w[0] > passed]
+            if generation is not None and generation != self._generation:
+                callbacks = None  # superseded
+            else:
                 self._error = error
                 self._done = True
                 callbacks, self._callbacks = self._callbacks, []
-        for fn in released:
-            fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
-        return None if superseded else callbacks
+        if released:
+            for fn in released:
+                fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
+        return callbacks
 
     def _wait_passed(self, generation: int) -> None:
         """Block (a stream's worker) until the stream passed mark ``generation``."""
@@ -290,6 +308,8 @@ class HostNotification(NotificationImpl):
             if self._passed >= generation:
                 return
             event = threading.Event()
+            if self._passed_waiters is None:
+                self._passed_waiters = []
             self._passed_waiters.append((generation, event.set))
         event.wait()
 
@@ -300,10 +320,13 @@ class HostNotification(NotificationImpl):
         return self._error
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(fn)
-                return True
+        lock = self._lock
+        lock.acquire()
+        if not self._done:
+            self._callbacks.append(fn)
+            lock.release()
+            return True
+        lock.release()
         fn()
         return True
 
@@ -348,12 +371,21 @@ class ThreadStream(StreamImpl):
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or f"aioep-stream-{next(_stream_ids)}"
-        # The worker waits on _cond; everything else takes the plain lock under it (cheaper).
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # The idle worker sleeps on _wakeup, a lock it holds: whoever queues work for a
+        # sleeping worker releases it, once per sleep (_sleeping, under _lock, says when).
+        # Acquiring a lock parks the worker in C, without the Python a Condition runs on
+        # both sides of every wake-up.
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()
+        self._sleeping = False
+        self._holds = 0  # hold_wakeups() calls not yet flushed: queued work waits for them
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
-        self._busy = False  # an op is running (on the worker or inline on a caller)
+        # An op is running (on the worker or inline on a caller). The worker sets it before
+        # it takes an op off the queue, so a reader that looks at the queue first, then at
+        # this, never sees an idle stream while work is in flight (query() takes no lock).
+        self._busy = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -366,8 +398,7 @@ class ThreadStream(StreamImpl):
         return HostNotification(self)
 
     def query(self) -> bool | None:
-        with self._lock:
-            return not self._queue and not self._busy
+        return not self._queue and not self._busy  # in this order (see _busy)
 
     def settled(self) -> bool:
         with self._lock:
@@ -413,7 +444,7 @@ class ThreadStream(StreamImpl):
             with self._lock:
                 self._busy = False
                 if self._queue:
-                    self._cond.notify()
+                    self._wake_worker()
         return True
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
@@ -428,28 +459,66 @@ class ThreadStream(StreamImpl):
             self._put(("wait", notification, -1))
 
     def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._check_not_closed()
-            idle = not self._queue and not self._busy
-            if not idle:
+            if self._queue or self._busy:
                 self._queue.append(("signal", notification, generation))
-                self._cond.notify()  # holding _lock is holding _cond
+                if self._sleeping:
+                    self._wake_worker()
                 return
             lane = notification._lane
             error = self._take_error(lane)
+        finally:
+            lock.release()
         # The stream already passed this point: complete it here (callbacks run on this thread).
         if not notification.set(error, generation=generation) and error is not None:
             self._keep_error(error, lane)
+
+    def hold_wakeups(self) -> None:
+        """Queue the work enqueued from now on without waking the worker, until the
+        matching `flush` (holds nest; the last flush wakes it).
+
+        For a caller that enqueues several pieces at once (the core: a copy and its mark)
+        and has more to do before it waits: a worker woken at the first piece would only
+        wait for the caller's thread to let go of the interpreter, and be woken a second
+        time then. Always pair it with `flush` (``try``/``finally``).
+        """
+        with self._lock:
+            self._holds += 1
+
+    def flush(self) -> None:
+        """End a `hold_wakeups`: wake the worker for the work queued meanwhile."""
+        lock = self._lock
+        lock.acquire()
+        if self._holds:
+            self._holds -= 1
+            if self._queue and self._sleeping:
+                self._wake_worker()
+        lock.release()
+
+    def _wake_worker(self) -> None:
+        # Under self._lock, with work queued: wake the worker if it sleeps (and no inline op
+        # holds the stream, nor a caller its wake-ups: their end wakes it then).
+        if self._sleeping and not self._busy and not self._holds:
+            self._sleeping = False
+            self._wakeup.release()
 
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._check_not_closed()
             self._queue.append(op)
-            self._cond.notify()
+            if self._sleeping:
+                self._wake_worker()
+        finally:
+            lock.release()
 
     def _keep_error(self, error: BaseException, lane: ErrorLane | None = None) -> None:
         # A superseded mark (re-activated notification) must not swallow a failure.
@@ -465,7 +534,7 @@ class ThreadStream(StreamImpl):
             lane.error = error
 
     def _take_error(self, lane: ErrorLane | None = None) -> BaseException | None:
-        # Called under self._cond when the stream reaches a mark (recorded in ``lane``).
+        # Called under self._lock when the stream reaches a mark (recorded in ``lane``).
         if lane is None:
             error, self._pending_error = self._pending_error, None
         else:
@@ -495,29 +564,39 @@ class ThreadStream(StreamImpl):
             self._keep_error(exc, lane)
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue or self._busy:
-                    if self._closed and not self._queue:
-                        return
-                    self._cond.wait()
-                kind, obj, generation = self._queue.popleft()
-                self._busy = True
-                if kind == "signal":
-                    # Mark it done before the stream reads as idle, and wake waiters only
-                    # after: whoever a mark wakes sees the stream past it.
+        lock, queue, wakeup = self._lock, self._queue, self._wakeup
+        lock.acquire()
+        while True:  # holding lock at the top of every turn
+            if not queue or self._busy:
+                if self._closed and not queue:
+                    lock.release()
+                    return
+                self._sleeping = True
+                lock.release()
+                wakeup.acquire()  # parked until _wake_worker releases it
+                lock.acquire()
+                continue
+            self._busy = True  # before the queue reads empty (see __init__)
+            kind, obj, generation = queue.popleft()
+            if kind == "signal":
+                # Mark it done before the stream reads as idle, and wake waiters only
+                # after: whoever a mark wakes sees the stream past it.
+                try:
                     lane = obj._lane  # type: ignore[attr-defined]
                     error = self._take_error(lane)
                     callbacks = obj._mark(error, generation)  # type: ignore[attr-defined]
                     if callbacks is None and error is not None:
                         self._store_error(error, lane)  # superseded mark: keep the failure
-                    del lane
+                finally:
                     self._busy = False
-                    del error
-            if kind == "signal":
-                run_callbacks(callbacks or [])
-                del obj, callbacks
+                    lock.release()
+                del lane, error, obj
+                if callbacks:
+                    run_callbacks(callbacks)
+                del callbacks
+                lock.acquire()
                 continue
+            lock.release()
             try:
                 if kind == "op":
                     self._run_op(obj)  # type: ignore[arg-type]
@@ -529,12 +608,15 @@ class ThreadStream(StreamImpl):
                         obj.wait_on_host(None)  # type: ignore[attr-defined]
             finally:
                 del obj
-                with self._lock:
-                    self._busy = False
+                lock.acquire()
+                self._busy = False
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._cond.notify()
+            self._holds = 0
+            if self._sleeping:
+                self._sleeping = False
+                self._wakeup.release()
         if threading.current_thread() is not self._thread:
             self._thread.join()
