@@ -29,10 +29,10 @@ from .._memory.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, pla
 from .._streams.notification import Notification, wait_blocking
 from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
-from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
+from .._streams.stream_impl import HostNotification, NotificationImpl, ThreadStream
 from .._tensors.ownership import Scope, owned_by
-from .._tensors.tensor import Tensor, checked_host_tensor, copy_pairs
-from .future import _PENDING, CopyFuture
+from .._tensors.tensor import Tensor, copy_pairs, wrap_array
+from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class CopyDispatcher:
                 if stream is None:
                     done = _copy_small_arrays(src, dst, self._transfers, self._budget)
                     if done is not None:
-                        return CopyFuture.completed(done, _COMPLETED)
+                        return done_future(done)
                     future = self._fast_unstreamed(src, dst)
                 else:
                     future = self._fast_streamed(src, dst, stream)
@@ -151,7 +151,7 @@ class CopyDispatcher:
             scope=self._scope,
         )
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, _COMPLETED)
+            return done_future(plan.dst)
         for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
             stream.wait(Notification(wait))
         if plan.packs:
@@ -199,31 +199,21 @@ class CopyDispatcher:
             return None
         transfer, libraries = entry
         impl = stream.impl
-        worker = impl if isinstance(impl, ThreadStream) else None
-        if worker is not None:
-            # Its worker is woken once, when the copies, their mark and their future are
-            # made: woken at the first copy, it would only wait for this thread to let go
-            # of the interpreter (and be woken a second time then).
-            worker.hold_wakeups()
         try:
-            try:
-                if worker is not None and transfer.can_copy_inline(pairs):
-                    self._copy_on_worker(worker, transfer, pairs)
-                else:
-                    transfer.copy_tensors(pairs, impl)
-            except Exception as exc:
-                error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
-                if error is exc:
-                    raise
-                raise error from exc
-            stream._enqueued()
-            future = CopyFuture(
-                sources, dests, stream.record(), stream, on_done=self._forget, pinned=users
-            )
-            self._track(future, libraries)
-        finally:
-            if worker is not None:
-                worker.flush()
+            if transfer.can_copy_inline(pairs) and isinstance(impl, ThreadStream):
+                self._copy_on_worker(impl, transfer, pairs)
+            else:
+                transfer.copy_tensors(pairs, impl)
+        except Exception as exc:
+            error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
+            if error is exc:
+                raise
+            raise error from exc
+        stream._enqueued()
+        future = CopyFuture(
+            sources, dests, stream.record(), stream, on_done=self._forget, pinned=users
+        )
+        self._track(future, libraries)
         return future
 
     def _fast_unstreamed(
@@ -335,7 +325,7 @@ class CopyDispatcher:
 
     def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, _COMPLETED)
+            return done_future(plan.dst)
         if waits:
             waits = [w for w in waits if not w.query()]
         if waits:
@@ -350,7 +340,7 @@ class CopyDispatcher:
             failure = _run_groups(plan, budget, inline=True)
             what = "copy_tensors" if failure is None else _describe(failure[0])
             error = None if failure is None else failure[1]
-            done = _COMPLETED if error is None else Notification(_Completed(error))
+            done = COMPLETED if error is None else Notification(Completed(error))
             return CopyFuture.completed(plan.dst, done, what)
         if len(plan.groups) == 1 and not plan.packs:
             # The backend may enqueue the batch on a queue of its own (a stream): its thread
@@ -457,14 +447,27 @@ def _copy_small_arrays(
     (within the inline budget), so every error still comes from the general path with its
     full message.
     """
-    if (type(src) is not list and type(src) is not tuple) or (
-        type(dst) is not list and type(dst) is not tuple
-    ):
-        return None
     n = len(src)
-    if n == 0 or n != len(dst) or n > _FAST_PATH_MAX_PAIRS or not transfers:
+    if n != len(dst) or not transfers or transfers[0][0] != HOST_EP_NAME:
         return None
-    if transfers[0][0] != HOST_EP_NAME:
+    if n == 1:  # the common case, in a straight line
+        s, d = src[0], dst[0]
+        if type(s) is not np.ndarray or type(d) is not np.ndarray:
+            return None
+        dtype = s.dtype
+        if (d.dtype is not dtype and d.dtype != dtype) or d.shape != s.shape or dtype.hasobject:
+            return None
+        sflags, dflags = s.flags, d.flags
+        if not (sflags.c_contiguous and dflags.c_contiguous and dflags.writeable):
+            return None
+        nbytes = s.nbytes
+        if not budget.allows(_HOST_ROUTE, nbytes) or _may_share_memory(d, s):
+            return None
+        start = perf_counter()
+        d[...] = s  # same shape and dtype, contiguous: an exact copy (no np.copyto dispatch)
+        budget.ran_inline(_HOST_ROUTE, nbytes, perf_counter() - start)
+        return [wrap_array(d, False)]
+    if n == 0 or n > _FAST_PATH_MAX_PAIRS:
         return None
     nbytes = 0
     for k in range(n):
@@ -494,7 +497,10 @@ def _copy_small_arrays(
         # Same shape and dtype, contiguous: an exact copy (cheaper than np.copyto's dispatch).
         dst[k][...] = src[k]  # type: ignore[index]
     budget.ran_inline(_HOST_ROUTE, nbytes, perf_counter() - start)
-    return [checked_host_tensor(d, readonly=False) for d in dst]  # type: ignore[arg-type]
+    return [wrap_array(d, False) for d in dst]  # type: ignore[arg-type]
+
+
+_may_share_memory = np.may_share_memory
 
 
 def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
@@ -557,35 +563,3 @@ def _run_plan_after(
             signal.set(error)
             return
     _run_plan(plan, budget, signal)
-
-
-class _Completed(NotificationImpl):
-    """The notification of a copy that finished before its future was made (inline or empty)."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self._error = error
-
-    def activate(self) -> None:
-        pass
-
-    def wait_on_device(self, stream: StreamImpl) -> None:
-        pass  # already complete: nothing to order after
-
-    def query(self) -> bool:
-        return True
-
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[], None]) -> bool:
-        fn()
-        return True
-
-    def wait_on_host(self, timeout: float | None) -> bool:
-        return True
-
-
-_COMPLETED = Notification(_Completed(None))
-"""The notification of every copy that finished without error before its future was made."""

@@ -12,11 +12,11 @@ from typing import Any
 from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
 from .._streams.notification import Notification, device_error
-from .._streams.stream_impl import call_reporting
+from .._streams.stream_impl import NotificationImpl, StreamImpl, call_reporting
 from .._streams.wake import checkpoint, wait_for, waker_for, warn_if_blocking_loop
 from .._tensors.tensor import Tensor, pin_for, unpin
 
-__all__ = ["CopyFuture", "CopyStatus"]
+__all__ = ["COMPLETED", "Completed", "CopyFuture", "CopyStatus", "done_future"]
 
 
 class CopyStatus(enum.Enum):
@@ -156,26 +156,34 @@ class CopyFuture:
         try:
             if self._status is not _PENDING:
                 return None
-            pinned, self._pinned = self._pinned, None
-            # Unpin before the status says done: whoever sees it done may free the buffers.
-            if pinned:
+            pinned = self._pinned
+            if pinned is not None:
+                # Unpin before the status says done: whoever sees it done may free them.
+                self._pinned = None
                 unpin(pinned)
-            del pinned
+                del pinned
             self._keepalive = None  # a completed future holds no source buffer
-            callbacks, self._callbacks = self._callbacks, None
             if self._impl.error() is None:
                 self._status = _DONE
             else:
                 self._settle()
-            on_done, self._on_done = self._on_done, None
+            callbacks = self._callbacks
+            if callbacks is None:  # nothing to run first: the awaiters may go now
+                wakers, self._wakers = self._wakers, None
+            else:
+                self._callbacks = None
+            on_done = self._on_done
+            if on_done is not None:
+                self._on_done = None
         finally:
             lock.release()
         if on_done is not None:
             call_reporting(on_done, self)
-        if callbacks:
-            callbacks.reverse()
-            while callbacks:  # drop each before the next runs; one that raises is logged
-                call_reporting(callbacks.pop(), self)
+        if callbacks is None:
+            return wakers
+        callbacks.reverse()
+        while callbacks:  # drop each before the next runs; one that raises is logged
+            call_reporting(callbacks.pop(), self)
         lock.acquire()
         wakers, self._wakers = self._wakers, None
         lock.release()
@@ -302,6 +310,8 @@ class CopyFuture:
                 yield from wait_for(self._add_waker, self._finished).__await__()
         else:
             yield from checkpoint()  # an await always yields once, even when done
+        if self._error is None and self._status is _DONE:
+            return list(self._dst)
         try:
             return self.result()
         finally:
@@ -327,3 +337,63 @@ def _on_mark(box: list[CopyFuture]) -> None:
     if wakers:
         for wake in wakers:
             wake()  # a LoopWaker's wake: never raises
+
+
+class Completed(NotificationImpl):
+    """The notification of a copy that finished before its future was made (inline or empty)."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self._error = error
+
+    def activate(self) -> None:
+        pass
+
+    def wait_on_device(self, stream: StreamImpl) -> None:
+        pass  # already complete: nothing to order after
+
+    def query(self) -> bool:
+        return True
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], None]) -> bool:
+        fn()
+        return True
+
+    def wait_on_host(self, timeout: float | None) -> bool:
+        return True
+
+
+COMPLETED = Notification(Completed(None))
+"""The notification of every copy that finished without error before its future was made."""
+
+
+class _DoneFuture(CopyFuture):
+    """A future of copies that ran without error before it was made (inline, or an empty
+    batch): all it holds of its own are the destinations; the rest is the class's."""
+
+    __slots__ = ()
+
+    # Shadowing the slots: read-only here, which is what a completed future needs.
+    _lock = _DONE_LOCK
+    _status = _DONE
+    _error = None
+    _callbacks = None
+    _notification = COMPLETED
+    _impl = COMPLETED.impl
+    _what = "copy_tensors"
+    _keepalive = None
+    _pinned = None
+    _on_done = None
+    _wakers = None
+    _calls_back = True
+
+
+def done_future(dst: list[Tensor]) -> CopyFuture:
+    """The future of copies that already ran without error; ``dst`` is taken over."""
+    future = _new_future(_DoneFuture)
+    future._dst = dst
+    return future

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import traceback
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -9,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
 from .stream_impl import NotificationImpl, StreamImpl
-from .wake import checkpoint, wait_for, warn_if_blocking_loop
+from .wake import checkpoint, poll, wait_for, waker_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
     from .stream import SyncStream
@@ -41,6 +43,21 @@ class Notification:
         self._stream = stream
         # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).
         self._sync_table: dict[int, int] = {}
+
+    @classmethod
+    def _recorded(cls, impl: NotificationImpl, stream: SyncStream) -> Notification:
+        """A new notification over ``impl``, a fresh one of ``stream``'s backend stream,
+        activated: `SyncStream.record` (the caller checked the stream is open)."""
+        note = _new_notification(cls)
+        note._impl = impl
+        note._stream = stream
+        stream._dirty = False
+        stream._tail = note
+        stream._sync_id = sync_id = stream._sync_id + 1
+        clock = stream._sync_clock
+        note._sync_table = {**clock, stream._uid: sync_id} if clock else {stream._uid: sync_id}
+        impl.activate()
+        return note
 
     @classmethod
     def _of(cls, impl: NotificationImpl, stream: SyncStream | None = None) -> Notification:
@@ -122,8 +139,19 @@ class Notification:
         if impl.query():
             yield from checkpoint()  # an await always yields once, even when done
         else:
-            yield from wait_for(impl.add_done_callback, impl.query).__await__()
-        self._raise_if_failed()
+            loop = _get_running_loop()
+            if loop is None:  # trio (through anyio): wait_for's general path
+                yield from wait_for(impl.add_done_callback, impl.query).__await__()
+            else:
+                # asyncio, inlined (what wait_for does): park on a loop future that the
+                # completing thread's wake-up resolves.
+                waiter = loop.create_future()
+                if impl.add_done_callback(_partial(waker_for(loop).wake, waiter)):
+                    yield from waiter
+                else:  # the backend cannot call back: poll
+                    yield from poll(impl.query).__await__()
+        if impl.error() is not None:
+            self._raise_if_failed()
 
     def __repr__(self) -> str:
         where = f" on {self._stream!r}" if self._stream is not None else ""
@@ -131,6 +159,8 @@ class Notification:
 
 
 _new_notification = Notification.__new__
+_get_running_loop = asyncio._get_running_loop
+_partial = functools.partial
 _NO_SYNC: dict[int, int] = {}  # the sync table of a mark never activated on a stream (read-only)
 
 

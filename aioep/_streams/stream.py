@@ -95,9 +95,7 @@ class SyncStream(AsyncResource):
         """Return a notification activated at the current tail of this stream."""
         if self._closed:
             self._check_open()
-        notification = Notification._of(self._impl.create_notification(), self)
-        notification.activate()  # makes it the tail
-        return notification
+        return Notification._recorded(self._impl.create_notification(), self)
 
     def wait(self, notification: Notification) -> None:
         """Make later work on this stream wait, on the device, for ``notification``.

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base.errors import ClosedError, NotImplementedByEp
+from .wake import flush_wakeups, hold_wakeups
 
 __all__ = [
     "ErrorLane",
@@ -208,8 +209,10 @@ def leave_lane(token: contextvars.Token[tuple[ErrorLane, ...]]) -> None:
 
 def _lane_of(stream: StreamImpl) -> ErrorLane | None:
     lanes = _lanes.get()
-    if not lanes:
-        return None
+    return _lane_in(lanes, stream) if lanes else None
+
+
+def _lane_in(lanes: tuple[ErrorLane, ...], stream: StreamImpl) -> ErrorLane | None:
     for lane in reversed(lanes):
         if lane.stream is stream:
             return lane
@@ -255,7 +258,8 @@ class HostNotification(NotificationImpl):
         stream = self._stream
         if stream is None:
             return
-        lane = _lane_of(stream)
+        lanes = _lanes.get()
+        lane = _lane_in(lanes, stream) if lanes else None
         lock = self._lock
         lock.acquire()  # nothing below can raise: no try/finally needed
         self._generation = generation = self._generation + 1
@@ -379,7 +383,6 @@ class ThreadStream(StreamImpl):
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
         self._sleeping = False
-        self._holds = 0  # hold_wakeups() calls not yet flushed: queued work waits for them
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
         # An op is running (on the worker or inline on a caller). The worker sets it before
@@ -418,7 +421,8 @@ class ThreadStream(StreamImpl):
 
     def _in_lane(self, fn: Callable[[], None]) -> Callable[[], None]:
         # The op of a borrower in an error lane: its failure waits for that borrower's mark.
-        lane = _lane_of(self)
+        lanes = _lanes.get()
+        lane = _lane_in(lanes, self) if lanes else None
         return fn if lane is None else functools.partial(self._run_in_lane, fn, lane)
 
     def run_inline(self, fn: Callable[[], None]) -> bool:
@@ -462,10 +466,11 @@ class ThreadStream(StreamImpl):
         lock = self._lock
         lock.acquire()
         try:
-            self._check_not_closed()
+            if self._closed:
+                self._check_not_closed()
             if self._queue or self._busy:
                 self._queue.append(("signal", notification, generation))
-                if self._sleeping:
+                if self._sleeping and not self._busy:
                     self._wake_worker()
                 return
             lane = notification._lane
@@ -476,32 +481,10 @@ class ThreadStream(StreamImpl):
         if not notification.set(error, generation=generation) and error is not None:
             self._keep_error(error, lane)
 
-    def hold_wakeups(self) -> None:
-        """Queue the work enqueued from now on without waking the worker, until the
-        matching `flush` (holds nest; the last flush wakes it).
-
-        For a caller that enqueues several pieces at once (the core: a copy and its mark)
-        and has more to do before it waits: a worker woken at the first piece would only
-        wait for the caller's thread to let go of the interpreter, and be woken a second
-        time then. Always pair it with `flush` (``try``/``finally``).
-        """
-        with self._lock:
-            self._holds += 1
-
-    def flush(self) -> None:
-        """End a `hold_wakeups`: wake the worker for the work queued meanwhile."""
-        lock = self._lock
-        lock.acquire()
-        if self._holds:
-            self._holds -= 1
-            if self._queue and self._sleeping:
-                self._wake_worker()
-        lock.release()
-
     def _wake_worker(self) -> None:
         # Under self._lock, with work queued: wake the worker if it sleeps (and no inline op
-        # holds the stream, nor a caller its wake-ups: their end wakes it then).
-        if self._sleeping and not self._busy and not self._holds:
+        # holds the stream: its end wakes it then).
+        if self._sleeping and not self._busy:
             self._sleeping = False
             self._wakeup.release()
 
@@ -513,9 +496,10 @@ class ThreadStream(StreamImpl):
         lock = self._lock
         lock.acquire()
         try:
-            self._check_not_closed()
+            if self._closed:
+                self._check_not_closed()
             self._queue.append(op)
-            if self._sleeping:
+            if self._sleeping and not self._busy:
                 self._wake_worker()
         finally:
             lock.release()
@@ -565,14 +549,20 @@ class ThreadStream(StreamImpl):
 
     def _run(self) -> None:
         lock, queue, wakeup = self._lock, self._queue, self._wakeup
+        # The loops that marks passed here wake are woken when this thread has nothing
+        # else to do first: before it runs more work, or right before it parks.
+        held = hold_wakeups()
         lock.acquire()
         while True:  # holding lock at the top of every turn
             if not queue or self._busy:
                 if self._closed and not queue:
                     lock.release()
+                    flush_wakeups(held)
                     return
                 self._sleeping = True
                 lock.release()
+                if held:
+                    flush_wakeups(held)
                 wakeup.acquire()  # parked until _wake_worker releases it
                 lock.acquire()
                 continue
@@ -597,6 +587,8 @@ class ThreadStream(StreamImpl):
                 lock.acquire()
                 continue
             lock.release()
+            if held:
+                flush_wakeups(held)
             try:
                 if kind == "op":
                     self._run_op(obj)  # type: ignore[arg-type]
@@ -614,7 +606,6 @@ class ThreadStream(StreamImpl):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._holds = 0
             if self._sleeping:
                 self._sleeping = False
                 self._wakeup.release()

@@ -529,10 +529,11 @@ def checked_host_tensor(array: npt.NDArray[Any], *, readonly: bool) -> Tensor:
     """A tensor over ``array``, which the caller checked is a C-contiguous numpy array of
     plain values (what `Tensor.from_numpy` checks): what numpy knows (address, size,
     shape, dtype) is taken as it is, not derived or validated again."""
-    return _wrap_array(array, readonly)
+    return wrap_array(array, readonly)
 
 
-def _wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
+def wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
+    """`checked_host_tensor` with a positional flag: the copy fast paths' form."""
     nbytes = array.nbytes
     # A writable one's address comes straight through the buffer protocol (data_address).
     ptr = _address_of(_view_bytes(array)) if nbytes and not readonly else data_address(array)
@@ -577,6 +578,8 @@ def copy_pairs(
     n = len(src)
     if n != len(dst):
         return None
+    if n == 1:
+        return _copy_pair(src[0], dst[0])
     pairs: list[tuple[Tensor, Tensor]] = []
     sources: list[Tensor] = []
     dests: list[Tensor] = []
@@ -593,7 +596,7 @@ def copy_pairs(
             flags = s.flags
             if not flags.c_contiguous or s.dtype.hasobject:
                 return None
-            s = _wrap_array(s, not flags.writeable)
+            s = wrap_array(s, not flags.writeable)
         else:
             return None
         d: Any = dst[k]
@@ -607,7 +610,7 @@ def copy_pairs(
             flags = d.flags
             if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
                 return None
-            d = _wrap_array(d, False)
+            d = wrap_array(d, False)
         else:
             return None
         sd, dd = s.dtype, d.dtype
@@ -616,18 +619,53 @@ def copy_pairs(
         pairs.append((s, d))
         sources.append(s)
         dests.append(d)
-    if n == 1:
-        if _overlap(sources[0], dests[0]):
-            return None
-    else:
-        for i, d in enumerate(dests):  # a destination may overlap nothing else
-            for t in sources:
-                if _overlap(d, t):
-                    return None
-            for t in dests[i + 1 :]:
-                if _overlap(d, t):
-                    return None
+    for i, d in enumerate(dests):  # a destination may overlap nothing else
+        for t in sources:
+            if _overlap(d, t):
+                return None
+        for t in dests[i + 1 :]:
+            if _overlap(d, t):
+                return None
     return pairs, sources, dests, users
+
+
+def _copy_pair(
+    s: Any, d: Any
+) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
+    # copy_pairs for one pair, the common case, in a straight line.
+    kind = type(s)
+    if kind is Tensor:
+        buffer = s.buffer
+        if buffer._released or (_holds and free_deferred(buffer)):
+            return None
+        users = [s]
+    elif kind is np.ndarray:
+        flags = s.flags
+        if not flags.c_contiguous or s.dtype.hasobject:
+            return None
+        s = wrap_array(s, not flags.writeable)
+        users = []
+    else:
+        return None
+    kind = type(d)
+    if kind is Tensor:
+        buffer = d.buffer
+        if buffer._released or buffer.readonly or (_holds and free_deferred(buffer)):
+            return None
+        users.append(d)
+    elif kind is np.ndarray:
+        flags = d.flags
+        if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
+            return None
+        d = wrap_array(d, False)
+    else:
+        return None
+    sd, dd = s.dtype, d.dtype
+    if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
+        return None
+    if _overlap(s, d):
+        return None
+    return [(s, d)], [s], [d], users
 
 
 def _overlap(a: Tensor, b: Tensor) -> bool:
@@ -651,6 +689,14 @@ def pin_for(tensors: Sequence[Tensor], work: object) -> None:
     """Pin each tensor's buffer against `Buffer.free` and note ``work`` (a notification)
     as the last use of its memory (`Buffer.pending_work`), until `unpin`."""
     lock = _PIN_LOCK
+    if len(tensors) == 1:
+        buffer = tensors[0].buffer
+        if buffer._pin_lock is lock:
+            buffer._last_use = work
+            lock.acquire()
+            buffer._pins += 1
+            lock.release()
+            return
     others: list[Buffer] | None = None
     lock.acquire()
     try:
@@ -673,6 +719,13 @@ def pin_for(tensors: Sequence[Tensor], work: object) -> None:
 def unpin(tensors: Sequence[Tensor]) -> None:
     """Undo `pin_for`."""
     lock = _PIN_LOCK
+    if len(tensors) == 1:
+        buffer = tensors[0].buffer
+        if buffer._pin_lock is lock:
+            lock.acquire()
+            buffer._pins -= 1
+            lock.release()
+            return
     others: list[Buffer] | None = None
     lock.acquire()
     try:
