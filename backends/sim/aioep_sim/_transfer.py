@@ -41,7 +41,10 @@ SMALL_COPY_BYTES = 64 << 10
 another thread keep it meanwhile (an inline copy on the event loop would wait for it)."""
 
 _Engines = tuple[tuple[SimDevice, str], ...]
-_Route = tuple[SimDevice | None, SimDevice | None, SimDevice, SimDevice | None, _Engines]
+_Route = tuple[
+    SimDevice | None, SimDevice | None, SimDevice, SimDevice | None, _Engines, tuple[Any, ...]
+]
+_perf_counter = time.perf_counter
 
 
 class SimDataTransfer(DataTransfer):
@@ -198,7 +201,9 @@ class SimDataTransfer(DataTransfer):
             owner = sdev or ddev or self._owner_of(sinfo) or self._owner_of(dinfo)
             assert owner is not None  # can_copy checked it
             check = ddev if ddev is not None and sdev is not ddev else None
-            route = (sdev, ddev, owner, check, self._engines_for(sdev, ddev))
+            engines = self._engines_for(sdev, ddev)
+            locks = tuple(dev.engines[name] for dev, name in engines)
+            route = (sdev, ddev, owner, check, engines, locks)
             self._routes[(sinfo, dinfo)] = route
         return route
 
@@ -207,7 +212,7 @@ class SimDataTransfer(DataTransfer):
         if n == 0:
             return
         sbuf, dbuf = src.buffer, dst.buffer
-        sdev, ddev, owner, check, engines = self._route(
+        sdev, ddev, owner, check, engines, locks = self._route(
             sbuf.memory_info.device, dbuf.memory_info.device
         )
         if check is not None:
@@ -234,17 +239,17 @@ class SimDataTransfer(DataTransfer):
         if not self._bytes_per_s:
             memmove(dst_addr, src_addr, n)
             return
-        for dev, name in engines:
-            dev.engines[name].acquire()
+        for lock in locks:
+            lock.acquire()
         try:
-            start = time.perf_counter()
+            start = _perf_counter()
             memmove(dst_addr, src_addr, n)
-            remaining = start + n / self._bytes_per_s - time.perf_counter()
+            remaining = start + n / self._bytes_per_s - _perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # loop-safe: bandwidth set means never inline (see above)
             for dev, name in engines:
                 dev.record_engine_use(name, n, start)
         finally:
-            for dev, name in reversed(engines):
-                dev.engines[name].release()
+            for lock in reversed(locks):
+                lock.release()
         del src_keep, dst_keep
