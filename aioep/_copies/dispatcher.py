@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["CopyDispatcher"]
 
 _FAST_PATH_MAX_PAIRS = 4
-_HOST_ROUTE: Hashable = (HOST_MEMORY_DEVICE, HOST_MEMORY_DEVICE)
-"""The inline budget's kind for host-to-host copies (the key of every copy is its route)."""
+_HOST_ROUTE: Hashable = "host->host"
+"""The inline budget's kind for host-to-host copies (the key of every other copy is its
+route, a pair of memory devices; a string hashes without a call into Python)."""
 
 
 class CopyDispatcher:
@@ -506,7 +507,10 @@ _may_share_memory = np.may_share_memory
 def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
     """The inline budget's kind for a batch: its (first) pair's route."""
     s, d = pairs[0]
-    return (s.buffer.memory_info.device, d.buffer.memory_info.device)
+    sdev, ddev = s.buffer.memory_info.device, d.buffer.memory_info.device
+    if sdev is HOST_MEMORY_DEVICE and ddev is HOST_MEMORY_DEVICE:
+        return _HOST_ROUTE
+    return (sdev, ddev)
 
 
 def _nbytes(pairs: Sequence[CopyPair]) -> int:

@@ -308,8 +308,10 @@ class CopyFuture:
                     yield  # finished meanwhile: an await still yields once
             else:
                 yield from wait_for(self._add_waker, self._finished).__await__()
+        elif _get_running_loop() is not None:
+            yield  # an await always yields once, even when done (asyncio's bare yield)
         else:
-            yield from checkpoint()  # an await always yields once, even when done
+            yield from checkpoint()
         if self._error is None and self._status is _DONE:
             return list(self._dst)
         try:

@@ -175,7 +175,7 @@ class Buffer:
             released = self._released
         except AttributeError:
             return  # __init__ failed before the buffer held anything
-        if released or (self._on_release is None and type(self) is Buffer):
+        if released or (self._on_release is None and type(self) in _PLAIN_BUFFERS):
             return  # nothing to give back (a view of a numpy array, say)
         if not _finalizing():
             self._release()
@@ -200,6 +200,21 @@ class Buffer:
     def __repr__(self) -> str:
         state = " freed" if self.freed else ""
         return f"<Buffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r}{state}>"
+
+
+class _ArrayBuffer(Buffer):
+    """A `Buffer` over a numpy array's memory (`Tensor.from_numpy`): host RAM, no
+    allocator, nothing to give back; what every such buffer shares is the class's."""
+
+    __slots__ = ()
+    memory_info = HOST_MEMORY_INFO  # type: ignore[assignment]
+    allocator = None
+    stream = None
+    _pin_lock = _PIN_LOCK
+
+
+_PLAIN_BUFFERS = (Buffer, _ArrayBuffer)  # types whose buffers have nothing to release when
+# they have no release callback
 
 
 class _ArrayInterface:
@@ -538,17 +553,13 @@ def wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
     # A writable one's address comes straight through the buffer protocol (data_address).
     ptr = _address_of(_view_bytes(array)) if nbytes and not readonly else data_address(array)
     # The buffer's and the tensor's fields set directly: numpy vouches for every value.
-    buffer = _new_buffer(Buffer)
+    buffer = _new_buffer(_ArrayBuffer)
     buffer.ptr = ptr
     buffer.nbytes = nbytes
-    buffer.memory_info = HOST_MEMORY_INFO
-    buffer.allocator = None
     buffer.readonly = readonly
-    buffer.stream = None
     buffer._owner = array
     buffer._last_use = None
     buffer._pins = 0
-    buffer._pin_lock = _PIN_LOCK
     buffer._on_release = None
     buffer._released = False
     tensor = _new_tensor(Tensor)
@@ -744,7 +755,7 @@ def unpin(tensors: Sequence[Tensor]) -> None:
             buffer._unpin()
 
 
-_new_buffer = Buffer.__new__
+_new_buffer = Buffer.__new__  # (of a subclass too)
 _new_tensor = Tensor.__new__
 _view_bytes: Callable[[Any], Any] = ctypes.c_char.from_buffer  # an ndarray is a buffer
 _address_of = ctypes.addressof
