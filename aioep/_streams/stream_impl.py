@@ -287,20 +287,25 @@ class HostNotification(NotificationImpl):
     ) -> list[Callable[[], None]] | None:
         # Complete without running callbacks; returns them, or None if the mark was superseded.
         released: list[Callable[[], None]] | None = None
-        with self._lock:
-            passed = self._generation if generation is None else generation
+        lock = self._lock
+        lock.acquire()
+        try:
+            current = self._generation
+            passed = current if generation is None else generation
             if passed > self._passed:
                 self._passed = passed
                 waiters = self._passed_waiters
                 if waiters:
                     released = [fn for g, fn in waiters if g <= passed]
                     self._passed_waiters = [w for w in waiters if w[0] > passed]
-            if generation is not None and generation != self._generation:
+            if passed != current:
                 callbacks = None  # superseded
             else:
                 self._error = error
                 self._done = True
                 callbacks, self._callbacks = self._callbacks, []
+        finally:
+            lock.release()
         if released:
             for fn in released:
                 fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
