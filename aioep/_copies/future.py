@@ -13,7 +13,13 @@ from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
 from .._streams.notification import Notification, device_error
 from .._streams.stream_impl import NotificationImpl, StreamImpl, call_reporting
-from .._streams.wake import checkpoint, wait_for, waker_for, warn_if_blocking_loop
+from .._streams.wake import (
+    checkpoint,
+    flush_held_wakeups,
+    wait_for,
+    waker_for,
+    warn_if_blocking_loop,
+)
 from .._tensors.tensor import Tensor, pin_for, unpin
 
 __all__ = ["COMPLETED", "Completed", "CopyFuture", "CopyStatus", "done_future"]
@@ -181,6 +187,9 @@ class CopyFuture:
             call_reporting(on_done, self)
         if callbacks is None:
             return wakers
+        # A callback may take long or block: loops this thread owes a wake-up for earlier
+        # completions are woken first, never held behind it.
+        flush_held_wakeups()
         callbacks.reverse()
         while callbacks:  # drop each before the next runs; one that raises is logged
             call_reporting(callbacks.pop(), self)

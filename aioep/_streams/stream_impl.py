@@ -371,6 +371,10 @@ class ThreadStream(StreamImpl):
     notification ``n`` of any backend completes: a device-side wait, the host
     is not blocked.
 
+    The worker wakes the event loops awaiting the marks it passes once it has passed all
+    those in a row, before it runs the work behind them or parks: a woken loop finds the
+    interpreter free.
+
     When the stream is idle (nothing queued, nothing running), a notification
     recorded on it completes at once, and `run_inline` (or
     ``enqueue(fn, inline=True)``) runs ``fn`` on the calling thread, as a driver does

@@ -8,7 +8,11 @@ run's ``TrioToken`` on trio. That is the one hop of a completion: the thread tha
 the work is done wakes the loop itself. Completions that arrive together (one pass of a
 stream worker over several marks, a dispatcher finding many events done) share one
 wake-up: each loop has one `LoopWaker` that collects them and wakes the loop once
-per batch. No thread is parked per waiter and nothing spins; cancelling the wait abandons
+per batch. A worker thread that completes work and then parks (a `ThreadStream`'s worker,
+a copy worker) holds the wake-ups it owes (`hold_wakeups`) and schedules them right before
+it runs more work, runs a user's done-callback or parks (`flush_wakeups`): the loop it
+wakes finds the interpreter free, instead of waking up only to wait for that thread to let
+go of it. No thread is parked per waiter and nothing spins; cancelling the wait abandons
 it and leaves the device work alone.
 """
 
@@ -30,6 +34,7 @@ import anyio.lowlevel
 __all__ = [
     "LoopWaker",
     "checkpoint",
+    "flush_held_wakeups",
     "flush_wakeups",
     "hold_wakeups",
     "poll",
@@ -76,7 +81,12 @@ class LoopWaker:
             if self not in held:
                 held.append(self)
             return
-        self._schedule_batch()
+        # Two threads may both get here: the loop then runs one batch more, which is harmless.
+        self._scheduled = True
+        try:
+            self._schedule(self._run_batch)
+        except Exception:  # the loop is closed (asyncio) or the run finished (trio)
+            self._pending.clear()
 
     def _schedule_batch(self) -> None:
         # Two threads may both get here: the loop then runs one batch more, which is harmless.
@@ -127,6 +137,15 @@ def hold_wakeups() -> list[LoopWaker]:
     held: list[LoopWaker] = []
     _local.held = held
     return held
+
+
+def flush_held_wakeups() -> None:
+    """`flush_wakeups` for the calling thread, if it holds its wake-ups: before it runs
+    code that may take long or block (a user's done-callback), so that no loop it owes a
+    wake-up waits behind that code."""
+    held: list[LoopWaker] | None = getattr(_local, "held", None)
+    if held:
+        flush_wakeups(held)
 
 
 def flush_wakeups(held: list[LoopWaker]) -> None:

@@ -415,3 +415,28 @@ async def test_a_worker_wakes_the_loop_once_it_passed_the_marks_in_a_row(
         assert wakeups == [f"mark {i}" for i in range(20)] + ["fast-path-batch"]
     finally:
         stream.close()
+
+
+async def test_a_done_callback_that_blocks_holds_back_no_earlier_awaiter() -> None:
+    from aioep._copies.future import CopyFuture
+
+    stream = ThreadStream("fast-path-blocking-callback")
+    resumed = threading.Event()
+    try:
+        gate = HostNotification()
+        stream.enqueue_wait(gate)
+        first = aioep.Notification(stream.create_notification())
+        first.activate()
+        second = aioep.Notification(stream.create_notification())
+        second.activate()  # passed right after the first: no work in between
+        future = CopyFuture([], [], second)
+        future.add_done_callback(lambda _: resumed.wait(10) and None)  # blocks the worker
+        gate.set()
+        with anyio.fail_after(5):
+            await first  # woken although the worker is stuck in the second's callback
+        resumed.set()
+        with anyio.fail_after(10):
+            await future
+    finally:
+        resumed.set()
+        stream.close()
