@@ -31,7 +31,7 @@ from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
 from .._streams.stream_impl import HostNotification, NotificationImpl, ThreadStream
 from .._tensors.ownership import Scope, owned_by
-from .._tensors.tensor import Tensor, copy_pairs, wrap_array
+from .._tensors.tensor import Tensor, copy_pair, copy_pairs, wrap_array
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers
 
@@ -191,7 +191,7 @@ class CopyDispatcher:
         stream_lib = memo.get(self)  # set by _stream_library
         if stream_lib is None:
             return None
-        batch = copy_pairs(src, dst)
+        batch = copy_pair(src[0], dst[0]) if len(src) == 1 == len(dst) else copy_pairs(src, dst)
         if batch is None:
             return None
         pairs, sources, dests, users = batch
@@ -224,7 +224,7 @@ class CopyDispatcher:
         (``enqueue_unstreamed``; see `copy`), or None to take the general path."""
         if len(src) > _FAST_PATH_MAX_PAIRS:
             return None
-        batch = copy_pairs(src, dst)
+        batch = copy_pair(src[0], dst[0]) if len(src) == 1 == len(dst) else copy_pairs(src, dst)
         if batch is None:
             return None
         pairs, sources, dests, users = batch

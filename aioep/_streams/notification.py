@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
-from .stream_impl import NotificationImpl, StreamImpl
+from .stream_impl import NotificationImpl, StreamImpl, ThreadStream
 from .wake import checkpoint, poll, wait_for, waker_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
@@ -45,10 +45,19 @@ class Notification:
         self._sync_table: dict[int, int] = {}
 
     @classmethod
-    def _recorded(cls, impl: NotificationImpl, stream: SyncStream) -> Notification:
-        """A new notification over ``impl``, a fresh one of ``stream``'s backend stream,
-        activated: `SyncStream.record` (the caller checked the stream is open)."""
+    def _recorded(cls, stream: SyncStream) -> Notification:
+        """A new notification of ``stream``'s backend stream, activated: `SyncStream.record`
+        (the caller checked the stream is open)."""
+        backend = stream._impl
         note = _new_notification(cls)
+        create = backend.create_notification
+        if getattr(create, "__func__", None) is _THREAD_STREAM_CREATE:
+            # A ThreadStream's own notification, made in its activated state at once.
+            impl: NotificationImpl = backend._new_mark()  # type: ignore[attr-defined]
+            fresh = True
+        else:
+            impl = create()
+            fresh = False
         note._impl = impl
         note._stream = stream
         stream._dirty = False
@@ -56,7 +65,10 @@ class Notification:
         stream._sync_id = sync_id = stream._sync_id + 1
         clock = stream._sync_clock
         note._sync_table = {**clock, stream._uid: sync_id} if clock else {stream._uid: sync_id}
-        impl.activate()
+        if fresh:
+            backend._enqueue_signal(impl, 1)  # type: ignore[attr-defined]
+        else:
+            impl.activate()
         return note
 
     @classmethod
@@ -159,6 +171,7 @@ class Notification:
 
 
 _new_notification = Notification.__new__
+_THREAD_STREAM_CREATE = ThreadStream.create_notification
 _get_running_loop = asyncio._get_running_loop
 _partial = functools.partial
 _NO_SYNC: dict[int, int] = {}  # the sync table of a mark never activated on a stream (read-only)

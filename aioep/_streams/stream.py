@@ -95,7 +95,7 @@ class SyncStream(AsyncResource):
         """Return a notification activated at the current tail of this stream."""
         if self._closed:
             self._check_open()
-        return Notification._recorded(self._impl.create_notification(), self)
+        return Notification._recorded(self)
 
     def wait(self, notification: Notification) -> None:
         """Make later work on this stream wait, on the device, for ``notification``.

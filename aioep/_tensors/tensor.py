@@ -590,7 +590,7 @@ def copy_pairs(
     if n != len(dst):
         return None
     if n == 1:
-        return _copy_pair(src[0], dst[0])
+        return copy_pair(src[0], dst[0])
     pairs: list[tuple[Tensor, Tensor]] = []
     sources: list[Tensor] = []
     dests: list[Tensor] = []
@@ -640,10 +640,11 @@ def copy_pairs(
     return pairs, sources, dests, users
 
 
-def _copy_pair(
+def copy_pair(
     s: Any, d: Any
 ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
-    # copy_pairs for one pair, the common case, in a straight line.
+    """`copy_pairs` for a batch of one pair (source ``s``, destination ``d``), the common
+    case, in a straight line."""
     kind = type(s)
     if kind is Tensor:
         buffer = s.buffer
