@@ -6,7 +6,9 @@ infos, the shared allocators and the backends that could not start.
 
 Installed distributions add subcommands through the entry point group
 ``aioep.commands``: each names an ``add_parser(subparsers)`` callable (aioep-cuda
-adds ``check-gpu`` this way; the core never imports a backend).
+adds ``check-gpu`` this way; the core never imports a backend). A subcommand that sets
+the default ``passthrough=True`` receives the arguments it did not declare, in order, as
+``args.rest`` (check-gpu hands them to the harness of an aioep checkout).
 """
 
 from __future__ import annotations
@@ -195,7 +197,10 @@ def _add_plugin_commands(sub: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m aioep`` and the ``aioep`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -432,8 +432,13 @@ class ThreadStream(StreamImpl):
         return not self._queue and not self._busy  # in this order (see _busy)
 
     def settled(self) -> bool:
+        # A failure waiting in the caller's error lane is the caller's to see: a mark it
+        # records now reports it, so it is not settled (another borrower's lane is not its).
+        lane = _lane_of(self)
         with self._lock:
             if self._queue or self._busy or self._pending_error is not None:
+                return False
+            if lane is not None and lane.error is not None:
                 return False
         return self.sticky_error() is None
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
 from _factories import BrokenFactory, FakeGpuFactory
@@ -84,6 +85,33 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "devices" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["nonsense"])
+
+
+def test_unknown_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["devices", "--no-autoload", "--bogus", "x"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --bogus x" in capsys.readouterr().err
+
+
+def test_a_passthrough_command_gets_the_arguments_it_did_not_declare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plugin command (check-gpu) that sets ``passthrough=True`` hands its other arguments
+    to a parser it loads later: they arrive in order, ``--`` and what follows included."""
+    seen: list[Any] = []
+
+    def add(sub: Any) -> None:
+        p = sub.add_parser("relay", add_help=False, allow_abbrev=False)
+        p.add_argument("--where", default=".")
+        p.set_defaults(
+            func=lambda args: seen.append((args.where, args.rest)) or 0, passthrough=True
+        )
+
+    monkeypatch.setattr(cli, "_add_plugin_commands", add)
+    argv = ["relay", "--budget", "270", "--where", "/x", "--help", "--", "-k", "a and b"]
+    assert cli.main(argv) == 0
+    assert seen == [("/x", ["--budget", "270", "--help", "--", "-k", "a and b"])]
 
 
 def test_python_dash_m_subprocess() -> None:

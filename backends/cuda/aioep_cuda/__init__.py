@@ -10,7 +10,11 @@ Layout: ``_driver`` (the driver boundary: loading, result checks, contexts),
 released only at the last close), ``_pool`` (the caching pools: nothing synchronises while
 an environment runs), ``_stream`` (CUstream / CUevent),
 ``_wake`` (the GIL-free ``sem_post`` wake-up and its dispatcher thread),
-``_allocator``, ``_transfer``, ``_dlpack``, ``_factory``.
+``_allocator``, ``_transfer``, ``_staging`` (pageable copies through pinned chunks: the
+``Stager`` over a worker pool, ``_workers``, a chunk pool, ``_chunks``, and the piece
+machine, ``_pieces``), ``_dlpack``, ``_factory``, ``_probe`` (what driver and GPUs
+the process sees: `describe_driver`), ``_check`` (the ``check-gpu`` subcommand, whose
+harness lives in an aioep checkout's ``tools/check_gpu``).
 """
 
 from aioep.abc import register_dlpack_exporter
@@ -22,6 +26,7 @@ from ._dlpack import CudaMemoryImporter as CudaMemoryImporter
 from ._dlpack import export_dlpack as export_dlpack
 from ._factory import CudaFactory as CudaFactory
 from ._factory import CudaOptions as CudaOptions
+from ._probe import describe_driver as describe_driver
 from ._stream import CudaNotification as CudaNotification
 from ._stream import CudaStream as CudaStream
 from ._transfer import CudaDataTransfer as CudaDataTransfer
@@ -36,6 +41,7 @@ __all__ = [
     "CudaOptions",
     "CudaPinnedAllocator",
     "CudaStream",
+    "describe_driver",
     "export_dlpack",
 ]
 

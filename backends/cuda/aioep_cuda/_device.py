@@ -10,6 +10,7 @@ from aioep import DeviceError, DeviceType, HardwareDevice, MemoryDevice, MemoryI
 
 from ._driver import call_nogil, check, ctx_current, driver, error_name
 from ._pool import CachingPool, size_class
+from ._probe import GpuFacts
 
 __all__ = [
     "NVIDIA_VENDOR_ID",
@@ -383,34 +384,13 @@ class CudaDevice:
         drv = driver()
         self.ordinal = ordinal
         self.cu_device = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-        raw_name = check(drv.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName")
-        self.name = bytes(raw_name).split(b"\0", 1)[0].decode(errors="replace")
-        self.uuid = _uuid(drv, self.cu_device)
-        raw_bus = check(drv.cuDeviceGetPCIBusId(64, self.cu_device), "cuDeviceGetPCIBusId")
-        self.pci_bus_id = bytes(raw_bus).split(b"\0", 1)[0].decode(errors="replace")
-        attr = drv.CUdevice_attribute
-        major = check(
-            drv.cuDeviceGetAttribute(
-                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device
-            ),
-            "cuDeviceGetAttribute",
-        )
-        minor = check(
-            drv.cuDeviceGetAttribute(
-                attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device
-            ),
-            "cuDeviceGetAttribute",
-        )
-        self.compute_capability = (int(major), int(minor))
-        self.total_memory = int(check(drv.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
-        self.memory_pools = bool(
-            check(
-                drv.cuDeviceGetAttribute(
-                    attr.CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, self.cu_device
-                ),
-                "cuDeviceGetAttribute",
-            )
-        )
+        self.facts = GpuFacts.read(drv, ordinal)
+        self.name = self.facts.name
+        self.uuid = self.facts.uuid
+        self.pci_bus_id = self.facts.pci_bus_id
+        self.compute_capability = self.facts.compute_capability
+        self.total_memory = self.facts.total_memory
+        self.memory_pools = self.facts.memory_pools
         self.shared = acquire_shared(ordinal, self.cu_device)
         self.shared.pinned.limit = pinned_pool_limit  # per process: the last opened sets it
         self.ctx = self.shared.ctx
@@ -442,13 +422,7 @@ class CudaDevice:
             NVIDIA_VENDOR_ID,
             self.ordinal,
             "NVIDIA",
-            {
-                "name": self.name,
-                "uuid": self.uuid,
-                "pci_bus_id": self.pci_bus_id,
-                "compute_capability": f"{self.compute_capability[0]}.{self.compute_capability[1]}",
-                "total_memory": str(self.total_memory),
-            },
+            self.facts.metadata(),
         )
 
     def new_stream(self) -> Any:
@@ -533,11 +507,3 @@ class CudaDevice:
 
     def __repr__(self) -> str:
         return f"<CudaDevice {self.ordinal} {self.name!r}>"
-
-
-def _uuid(drv: Any, dev: Any) -> str:
-    fn = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
-    uuid = check(fn(dev), "cuDeviceGetUuid")
-    raw = bytes(uuid.bytes)
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"

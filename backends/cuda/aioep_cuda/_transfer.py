@@ -43,7 +43,7 @@ from aioep.abc import CopyPair, DataTransfer, StreamImpl
 
 from ._device import NVIDIA_VENDOR_ID, CudaDevice
 from ._driver import call_nogil, check, ctx_current, driver, error_name
-from ._staging import D2H, H2D, HOST, StagedJob, Staging
+from ._staging import D2H, H2D, HOST, PieceKind, StagedJob, StagedPair, Staging
 from ._stream import CudaNotification, CudaStream
 
 __all__ = ["CudaDataTransfer", "PageableCopier"]
@@ -156,7 +156,7 @@ class _GateJob:
         self,
         copier: PageableCopier,
         stream: CudaStream,
-        pairs: list[tuple[int, int, int, int]],
+        pairs: list[StagedPair],
         keep: list[Tensor],
         addr: int,
         value: int,
@@ -282,10 +282,10 @@ class CudaDataTransfer(DataTransfer):
 
     def _split(
         self, pairs: Sequence[CopyPair]
-    ) -> tuple[list[tuple[int, int, int, int]], list[Tensor], list[CopyPair]]:
-        """(staged ``(kind, dst, src, nbytes)``, their host tensors, the other pairs); empty
-        pairs are dropped."""
-        staged: list[tuple[int, int, int, int]] = []
+    ) -> tuple[list[StagedPair], list[Tensor], list[CopyPair]]:
+        """(the staged pairs, their host tensors, the other pairs); empty pairs are
+        dropped."""
+        staged: list[StagedPair] = []
         keep: list[Tensor] = []
         direct: list[CopyPair] = []
         for s, d in pairs:
@@ -295,7 +295,7 @@ class CudaDataTransfer(DataTransfer):
             if kind is None:
                 direct.append((s, d))
             else:
-                staged.append((kind, d.data_ptr, s.data_ptr, s.nbytes))
+                staged.append(StagedPair(kind, d.data_ptr, s.data_ptr, s.nbytes))
                 # The host memory the staging threads read or write: kept until they are
                 # done with it, even if the copy's future failed first (a broken context).
                 # Device memory needs no such hold: the copy's future (or the synchronous
@@ -303,7 +303,7 @@ class CudaDataTransfer(DataTransfer):
                 keep += (s, d) if kind == HOST else (s if kind == H2D else d,)
         return staged, keep, direct
 
-    def _staged_kind(self, s: Tensor, d: Tensor) -> int | None:
+    def _staged_kind(self, s: Tensor, d: Tensor) -> PieceKind | None:
         """H2D, D2H or HOST for a pair with a pageable side, else None."""
         src = self._locate(s.device, s.data_ptr)[0]
         dst = self._locate(d.device, d.data_ptr)[0]
@@ -401,9 +401,7 @@ class CudaDataTransfer(DataTransfer):
                     copied = call_nogil("cuMemcpyAsync", dst, src, n, int(stream.cu))
                     check(copied, "cuMemcpyAsync (pageable)")
 
-    def _gate(
-        self, stream: CudaStream, pairs: list[tuple[int, int, int, int]], keep: list[Tensor]
-    ) -> bool:
+    def _gate(self, stream: CudaStream, pairs: list[StagedPair], keep: list[Tensor]) -> bool:
         if not self._stream_mem_ops:
             return False
         drv = driver()

@@ -1,4 +1,5 @@
-"""Pageable host memory on CUDA through pinned staging chunks (``aioep_cuda._staging``).
+"""Pageable host memory on CUDA through pinned staging chunks (``aioep_cuda._staging``,
+``_pieces``, ``_chunks``, ``_workers``).
 
 The gpu tests run on the real driver where ``cuInit`` finds a GPU, else on the emulated
 driver (``tests/cuda_emulator``, a test double), with the same assertions. Chunks are made
@@ -27,7 +28,7 @@ from aioep import MemoryType
 
 aioep_cuda = pytest.importorskip("aioep_cuda")
 
-from aioep_cuda import CudaFactory, CudaOptions, _staging  # noqa: E402
+from aioep_cuda import CudaFactory, CudaOptions, _pieces, _staging  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -45,20 +46,20 @@ _T = TypeVar("_T")
 @pytest.fixture
 def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split each chunk among the worker threads in slices of ~1 KiB (not 1 MiB)."""
-    monkeypatch.setattr(_staging, "MIN_SLICE_BYTES", 1000)
+    monkeypatch.setattr(_pieces, "MIN_SLICE_BYTES", 1000)
 
 
 @pytest.fixture
 def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int, int]]:
     """Record every host-side slice copy: (thread id, dst address, src address, bytes)."""
     log: list[tuple[int, int, int, int]] = []
-    real = _staging.host_copy
+    real = _pieces.host_copy
 
     def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         log.append((threading.get_ident(), dst.ctypes.data, src.ctypes.data, dst.nbytes))
         real(dst, src)
 
-    monkeypatch.setattr(_staging, "host_copy", copy)
+    monkeypatch.setattr(_pieces, "host_copy", copy)
     return log
 
 
@@ -87,7 +88,7 @@ def _stat(key: str) -> int:
     return DRIVER.emulator.get(key) if DRIVER.emulator is not None else 0
 
 
-def _pieces(n: int, chunk: int = CHUNK) -> int:
+def _piece_count(n: int, chunk: int = CHUNK) -> int:
     return -(-n // chunk)
 
 
@@ -136,6 +137,132 @@ def test_staging_options_parse_with_defaults() -> None:
     assert _staging.StagingOptions(chunk_bytes=5000, chunks=3).bound == 3 * 8192
 
 
+# -- the stager's parts (no GPU needed) --------------------------------------------------------
+def test_the_worker_pool_runs_queued_tasks_first_and_survives_a_failing_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aioep_cuda._workers import WorkerPool
+
+    reported: list[BaseException] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda args: reported.append(args.exc_value))
+    cond = threading.Condition()
+    ran: list[str] = []
+    offered = ["from the source 1", "from the source 2"]
+    busy = [True]
+
+    def source() -> Callable[[], None] | None:
+        if not offered:
+            return None
+        name = offered.pop(0)
+        return lambda: ran.append(name)
+
+    def fail() -> None:
+        raise RuntimeError("a bug in a task")
+
+    pool = WorkerPool("test-pool", 1, cond, source, lambda: not busy[0])
+    with cond:  # queued before the thread starts: the queue comes before the source
+        pool.push(lambda: ran.append("queued"), fail, lambda: ran.append("after the failure"))
+        pool.start()
+    deadline = time.monotonic() + 30
+    while len(ran) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["queued", "after the failure", "from the source 1", "from the source 2"]
+    assert [str(e) for e in reported] == ["a bug in a task"]
+    # Closing waits while the owner is busy, then the workers exit once it is idle.
+    closer = threading.Thread(target=pool.close, args=(time.monotonic() + 30,))
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()
+    with cond:
+        busy[0] = False
+        cond.notify_all()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("test-pool")]
+
+
+class _FakePinned:
+    """A pinned pool over numpy buffers that refuses after ``limit`` blocks."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffers: list[np.ndarray[Any, Any]] = []
+        self.given: list[tuple[int, tuple[Any, ...]]] = []
+
+    def take(self, nbytes: int) -> Any:
+        from aioep_cuda._pool import Block
+
+        if len(self.buffers) >= self.limit:
+            raise aioep.DeviceError("the pinned pool's limit is reached")
+        self.buffers.append(np.zeros(nbytes, np.uint8))
+        return Block(self.buffers[-1].ctypes.data, nbytes)
+
+    def give(self, block: Any, after: Any = ()) -> None:
+        self.given.append((block.ptr, tuple(after)))
+
+
+def test_the_chunk_pool_makes_chunks_one_at_a_time_within_its_cap() -> None:
+    from aioep_cuda._chunks import ChunkPool
+
+    cond = threading.Condition()
+    pinned = _FakePinned(limit=10)
+    pool = ChunkPool(pinned, 4096, 2, cond)  # type: ignore[arg-type]
+    with cond:
+        assert pool.take() is None
+        assert pool.may_make()
+        assert not pool.may_make()  # one allocation at a time
+    first = pool.make()
+    pool.made(first)
+    first.view[:] = 7  # the chunk's bytes are the block's
+    assert pinned.buffers[0][0] == 7
+    with cond:
+        assert pool.may_make()
+    pool.made(pool.make())
+    with cond:
+        assert not pool.may_make()  # at its cap
+        assert pool.held_bytes == pool.peak_bytes == 2 * 4096
+        assert pool.take() is None
+    pool.give(first)
+    with cond:
+        assert pool.take() is first
+    pool.close(())
+    assert len(pinned.given) == 2
+    with cond:
+        assert pool.held_bytes == 0
+
+
+def test_the_chunk_pool_shrinks_to_what_the_pinned_pool_gave() -> None:
+    from aioep_cuda._chunks import ChunkPool
+
+    cond = threading.Condition()
+    pool = ChunkPool(_FakePinned(limit=1), 4096, 3, cond)  # type: ignore[arg-type]
+    with cond:
+        assert pool.may_make()
+    pool.made(pool.make())
+    with cond:
+        assert pool.may_make()
+    with pytest.raises(aioep.DeviceError):
+        pool.make()
+    with cond:
+        assert pool.unmade()  # one chunk there: wait for it
+        assert not pool.may_make()  # the cap is now 1
+    empty = ChunkPool(_FakePinned(limit=0), 4096, 3, cond)  # type: ignore[arg-type]
+    with cond:
+        assert empty.may_make()
+    with pytest.raises(aioep.DeviceError):
+        empty.make()
+    with cond:
+        assert not empty.unmade()  # none at all: the piece fails
+
+
+def test_every_piece_kind_has_a_route_and_a_staged_one_touches_the_device() -> None:
+    for kind in _pieces.PieceKind:
+        for staged in (True, False):
+            assert _pieces.ROUTES[kind, staged]
+    assert _pieces.ROUTES[_pieces.PieceKind.H2D, True][-1] is _pieces.Phase.UPLOAD
+    assert _pieces.ROUTES[_pieces.PieceKind.D2H, True][0] is _pieces.Phase.DOWNLOAD
+
+
 # -- correct bytes at every chunk boundary -----------------------------------------------------
 SIZES = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 5 * CHUNK + 123]
 
@@ -169,7 +296,7 @@ async def test_round_trip_at_chunk_boundaries(
             await env.copy_tensors([a], [b], stream=s)
             await env.copy_tensors([b], [out], stream=s)
             del a, b
-        assert stager.pieces - pieces == 2 * _pieces(n)
+        assert stager.pieces - pieces == 2 * _piece_count(n)
     np.testing.assert_array_equal(out, src)
     assert _guards_intact(out_whole, n)
     np.testing.assert_array_equal(src_whole, before)  # the source is only read
@@ -355,7 +482,7 @@ async def test_a_slow_host_thread(monkeypatch: pytest.MonkeyPatch, use_stream: b
     data = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
     out = np.zeros_like(data)
     slow_at = data.ctypes.data + 2 * CHUNK  # the start of the third chunk
-    real = _staging.host_copy
+    real = _pieces.host_copy
     slept = threading.Event()
 
     def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
@@ -364,7 +491,7 @@ async def test_a_slow_host_thread(monkeypatch: pytest.MonkeyPatch, use_stream: b
             slept.set()
         real(dst, src)
 
-    monkeypatch.setattr(_staging, "host_copy", copy)
+    monkeypatch.setattr(_pieces, "host_copy", copy)
     async with staged_env(staging_threads=4) as (env, gpu), env.create_sync_stream(gpu) as stream:
         s = stream if use_stream else None
         a = env.empty(data.shape, data.dtype, _mem(gpu), stream=s)
@@ -398,7 +525,7 @@ async def test_download_then_upload_of_the_same_host_array(
     h = np.zeros(n, np.uint8)
     lo, hi = h.ctypes.data, h.ctypes.data + n
     log: list[str] = []
-    real = _staging.host_copy
+    real = _pieces.host_copy
 
     def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         if lo <= dst.ctypes.data < hi:
@@ -411,7 +538,7 @@ async def test_download_then_upload_of_the_same_host_array(
         else:
             real(dst, src)
 
-    monkeypatch.setattr(_staging, "host_copy", copy)
+    monkeypatch.setattr(_pieces, "host_copy", copy)
     async with staged_env(staging_threads=4) as (env, gpu):
         pinned = env.empty((n,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
         pinned.numpy()[...] = data
@@ -453,7 +580,7 @@ async def test_cancelled_awaiter_keeps_buffers_alive(
     n = 3 * CHUNK + 1
     data = np.random.default_rng(4).integers(0, 256, n, dtype=np.uint8)
     entered, proceed = threading.Event(), threading.Event()
-    real = _staging.host_copy
+    real = _pieces.host_copy
 
     def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         entered.set()
@@ -474,7 +601,7 @@ async def test_cancelled_awaiter_keeps_buffers_alive(
                 host = data.copy()
                 pair = ([host], [dev])
             alive = weakref.ref(host)
-            monkeypatch.setattr(_staging, "host_copy", copy)
+            monkeypatch.setattr(_pieces, "host_copy", copy)
 
             async def awaiter(src: list[Any], dst: list[Any]) -> None:
                 await env.copy_tensors(src, dst, stream=stream)
@@ -513,13 +640,13 @@ async def test_closing_the_stager_with_batches_queued(monkeypatch: pytest.Monkey
     and a batch submitted afterwards is refused, not lost."""
     import anyio
 
-    real = _staging.host_copy
+    real = _pieces.host_copy
 
     def copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         time.sleep(0.002)
         real(dst, src)
 
-    monkeypatch.setattr(_staging, "host_copy", copy)
+    monkeypatch.setattr(_pieces, "host_copy", copy)
     n = 5 * CHUNK
     datas = [np.full(n, i + 1, np.uint8) for i in range(6)]
     async with staged_env(staging_chunks=2) as (env, gpu):
@@ -529,7 +656,9 @@ async def test_closing_the_stager_with_batches_queued(monkeypatch: pytest.Monkey
         async with env.create_sync_stream(gpu) as stream:
             await stream  # the allocations are done before the stager's streams use them
             jobs = [
-                stager.submit([(_staging.H2D, t.data_ptr, d.ctypes.data, n)], [d])
+                stager.submit(
+                    [_staging.StagedPair(_staging.H2D, t.data_ptr, d.ctypes.data, n)], [d]
+                )
                 for d, t in zip(datas, devs)
             ]
             assert all(j is not None and not j.released.is_set() for j in jobs)
@@ -540,7 +669,10 @@ async def test_closing_the_stager_with_batches_queued(monkeypatch: pytest.Monkey
             assert pool.in_use_bytes == 0
             assert not [t for t in threading.enumerate() if t.name.startswith("aioep-cuda-stage")]
             assert (
-                stager.submit([(_staging.H2D, devs[0].data_ptr, datas[0].ctypes.data, n)], [])
+                stager.submit(
+                    [_staging.StagedPair(_staging.H2D, devs[0].data_ptr, datas[0].ctypes.data, n)],
+                    [],
+                )
                 is None
             )
             pinned = env.empty((n,), "uint8", _mem(gpu, MemoryType.HOST_ACCESSIBLE))
