@@ -190,6 +190,7 @@ OVERSIZE = {
     "aioep/_memory/arena_pool.py": _RELAYERING,
     "aioep/_memory/arena_pool.py::StreamPool": _RELAYERING,
     "aioep/_session/session.py": _RELAYERING,
+    "aioep/_streams/stream_impl.py": _RELAYERING,
     "aioep/_tensors/tensor.py": _RELAYERING,
     "aioep/_tools/bench.py": _RELAYERING,
 }

@@ -15,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,10 +29,10 @@ from .._memory.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, pla
 from .._streams.notification import Notification, wait_blocking
 from .._streams.routes import RouteCache
 from .._streams.stream import SyncStream
-from .._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl, ThreadStream
-from .._tensors.ownership import Scope
-from .._tensors.tensor import Tensor, checked_host_tensor
-from .future import CopyFuture
+from .._streams.stream_impl import HostNotification, NotificationImpl, ThreadStream
+from .._tensors.ownership import Scope, owned_by
+from .._tensors.tensor import Tensor, copy_pair, copy_pairs, wrap_array
+from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers
 
 if TYPE_CHECKING:
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["CopyDispatcher"]
 
 _FAST_PATH_MAX_PAIRS = 4
-_HOST_ROUTE: Hashable = (HOST_MEMORY_DEVICE, HOST_MEMORY_DEVICE)
-"""The inline budget's kind for host-to-host copies (the key of every copy is its route)."""
+_HOST_ROUTE: Hashable = "host->host"
+"""The inline budget's kind for host-to-host copies (the key of every other copy is its
+route, a pair of memory devices; a string hashes without a call into Python)."""
 
 
 class CopyDispatcher:
@@ -95,14 +96,25 @@ class CopyDispatcher:
     ) -> CopyFuture:
         """Validate the batch, enqueue or run it, and return its future (see
         `Environment.copy_tensors`)."""
-        if allow_reshape is not False and allow_reshape is not True:
+        if allow_reshape is False:
+            ts, td = type(src), type(dst)
+            if (ts is list or ts is tuple) and (td is list or td is tuple):
+                # The fast paths: a few tensors or arrays on a route already taken. Each
+                # takes only what the general path below would accept, and leaves anything
+                # else (to accept, or to refuse with the full message) to it.
+                if stream is None:
+                    done = _copy_small_arrays(src, dst, self._transfers, self._budget)
+                    if done is not None:
+                        return done_future(done)
+                    future = self._fast_unstreamed(src, dst)
+                else:
+                    future = self._fast_streamed(src, dst, stream)
+                if future is not None:
+                    return future
+        elif allow_reshape is not True:
             raise InvalidArgument(
                 f"copy_tensors: allow_reshape must be a bool, got {allow_reshape!r}"
             )
-        if stream is None and not allow_reshape:
-            done = _copy_small_arrays(src, dst, self._transfers, self._budget)
-            if done is not None:
-                return CopyFuture.completed(done, _COMPLETED)
         # Foreign tensors (DLPack, CUDA Array Interface) become tensors here.
         src, dst, waits = import_copy_args(src, dst, self._importers, stream)
         # The registry changes its list in place, maybe from another thread: route over a
@@ -120,7 +132,7 @@ class CopyDispatcher:
                 scope=self._scope,
             )
             return self._copy_unstreamed(plan, waits)
-        if not isinstance(stream, SyncStream):
+        if type(stream) is not SyncStream and not isinstance(stream, SyncStream):
             raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
         stream._check_open()
         stream_lib = self._stream_library(stream)
@@ -140,7 +152,7 @@ class CopyDispatcher:
             scope=self._scope,
         )
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, _COMPLETED)
+            return done_future(plan.dst)
         for wait in waits:  # foreign producers' work (their CUDA Array Interface stream)
             stream.wait(Notification(wait))
         if plan.packs:
@@ -161,11 +173,123 @@ class CopyDispatcher:
                 raise error from exc
         stream._enqueued()
         mark = stream.record()
-        _note_use(plan, mark)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream)
-        if not future.done():
-            self._track(future, frozenset(plan.libraries | {stream_lib}))
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream, on_done=self._forget)
+        self._track(future, frozenset(plan.libraries | {stream_lib}))
         return future
+
+    def _fast_streamed(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike], stream: SyncStream
+    ) -> CopyFuture | None:
+        """The fast path of a copy on a stream (see `copy`), or None to take the general
+        path: tensors or C-contiguous arrays on routes this stream already took."""
+        if len(src) > _FAST_PATH_MAX_PAIRS or (
+            type(stream) is not SyncStream and not isinstance(stream, SyncStream)
+        ):
+            return None
+        routes = stream._routes
+        memo = routes.memo(self._transfers)  # emptied when the stream closes
+        stream_lib = memo.get(self)  # set by _stream_library
+        if stream_lib is None:
+            return None
+        batch = copy_pair(src[0], dst[0]) if len(src) == 1 == len(dst) else copy_pairs(src, dst)
+        if batch is None:
+            return None
+        pairs, sources, dests, users = batch
+        entry = self._fast_route(pairs, users, memo, routes, stream_lib)
+        if entry is None:
+            return None
+        transfer, libraries = entry
+        impl = stream.impl
+        try:
+            if transfer.can_copy_inline(pairs) and isinstance(impl, ThreadStream):
+                self._copy_on_worker(impl, transfer, pairs)
+            else:
+                transfer.copy_tensors(pairs, impl)
+        except Exception as exc:
+            error = translate_backend_error(exc, f"enqueueing copies on {stream!r}")
+            if error is exc:
+                raise
+            raise error from exc
+        stream._enqueued()
+        future = CopyFuture(
+            sources, dests, stream.record(), stream, on_done=self._forget, pinned=users
+        )
+        self._track(future, libraries)
+        return future
+
+    def _fast_unstreamed(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike]
+    ) -> CopyFuture | None:
+        """The fast path of a copy without a stream that a backend enqueues itself
+        (``enqueue_unstreamed``; see `copy`), or None to take the general path."""
+        if len(src) > _FAST_PATH_MAX_PAIRS:
+            return None
+        batch = copy_pair(src[0], dst[0]) if len(src) == 1 == len(dst) else copy_pairs(src, dst)
+        if batch is None:
+            return None
+        pairs, sources, dests, users = batch
+        routes = self._routes
+        entry = self._fast_route(pairs, users, routes.memo(self._transfers), routes, None)
+        if entry is None:
+            return None
+        transfer, libraries = entry
+        if transfer.can_copy_inline(pairs):
+            return None  # the inline budget or the copy workers: the general path's
+        try:
+            started = transfer.enqueue_unstreamed(pairs)
+        except Exception as exc:
+            error = translate_backend_error(exc, f"enqueueing copies ({_describe(transfer)})")
+            if error is exc:
+                raise
+            raise error from exc
+        if started is None:  # the backend leaves it to the copy workers
+            plan = CopyPlan(sources, dests, [(transfer, pairs)])
+            plan.libraries = set(libraries)
+            return self._on_workers(plan, _run_plan)
+        future = CopyFuture(
+            sources,
+            dests,
+            Notification._of(started),
+            _describe(transfer),
+            on_done=self._forget,
+            pinned=users,
+        )
+        self._track(future, libraries)
+        return future
+
+    def _fast_route(
+        self,
+        pairs: list[CopyPair],
+        users: list[Tensor],
+        memo: dict[Hashable, Any],
+        routes: RouteCache,
+        stream_lib: str | None,
+    ) -> tuple[DataTransfer, frozenset[str]] | None:
+        """The one transfer that copies every pair and the libraries a copy through it
+        uses, from ``routes`` (what the general path found before); None if a pair has no
+        route there yet, the pairs need several transfers, or a tensor the caller passed
+        is device memory of another environment."""
+        scope = self._scope
+        if scope is not None:
+            for t in users:
+                if t.buffer.allocator is not None and not owned_by(t, scope):
+                    return None
+        found: tuple[DataTransfer, frozenset[str]] | None = None
+        for s, d in pairs:
+            key = (s.buffer.memory_info.device, d.buffer.memory_info.device)
+            entry = memo.get(key)
+            if entry is None:
+                route = routes.table(self._transfers).get(key)
+                if route is None:
+                    return None  # never routed: the general path routes it (or says why not)
+                library, transfer = route
+                libraries = frozenset((library,) if stream_lib is None else (library, stream_lib))
+                entry = memo[key] = (transfer, libraries)
+            if found is None:
+                found = entry
+            elif entry[0] is not found[0]:
+                return None
+        return found
 
     def _copy_on_worker(
         self, worker: ThreadStream, transfer: DataTransfer, pairs: list[CopyPair]
@@ -183,8 +307,16 @@ class CopyDispatcher:
         worker.enqueue(functools.partial(budget.run_off_loop, kind, nbytes, copy, pairs, None))
 
     def _stream_library(self, stream: SyncStream) -> str:
+        # Remembered in the stream's route cache while the transfers stay as they are: a
+        # library with open streams cannot be unregistered, and a closed stream takes no
+        # copies.
+        memo = stream._routes.memo(self._transfers)
+        name = memo.get(self)
+        if name is not None:
+            return name  # type: ignore[no-any-return]
         for lib in self._libraries.values():
             if stream in lib.streams:
+                memo[self] = lib.name
                 return lib.name
         raise InvalidArgument(f"{stream!r} does not belong to this environment")
 
@@ -194,7 +326,7 @@ class CopyDispatcher:
 
     def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:
-            return CopyFuture.completed(plan.dst, _COMPLETED)
+            return done_future(plan.dst)
         if waits:
             waits = [w for w in waits if not w.query()]
         if waits:
@@ -209,7 +341,7 @@ class CopyDispatcher:
             failure = _run_groups(plan, budget, inline=True)
             what = "copy_tensors" if failure is None else _describe(failure[0])
             error = None if failure is None else failure[1]
-            done = _COMPLETED if error is None else Notification(_Completed(error))
+            done = COMPLETED if error is None else Notification(Completed(error))
             return CopyFuture.completed(plan.dst, done, what)
         if len(plan.groups) == 1 and not plan.packs:
             # The backend may enqueue the batch on a queue of its own (a stream): its thread
@@ -228,11 +360,14 @@ class CopyDispatcher:
                         raise
                     raise error from exc
             if started is not None:
-                mark = Notification(started)
-                _note_use(plan, mark)
-                future = CopyFuture(plan.src + plan.dst, plan.dst, mark, _describe(transfer))
-                if not future.done():
-                    self._track(future, frozenset(plan.libraries))
+                future = CopyFuture(
+                    plan.src + plan.dst,
+                    plan.dst,
+                    Notification(started),
+                    _describe(transfer),
+                    on_done=self._forget,
+                )
+                self._track(future, frozenset(plan.libraries))
                 return future
         return self._on_workers(plan, _run_plan)
 
@@ -242,17 +377,19 @@ class CopyDispatcher:
         """Run ``plan`` on a copy worker, which completes the future's notification."""
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        mark = Notification(signal)
-        _note_use(plan, mark)
-        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what)
+        mark = Notification._of(signal)
+        future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what, on_done=self._forget)
+        self._track(future, frozenset(plan.libraries))
         self._get_workers().submit(functools.partial(run, plan, self._budget, signal))
-        if not future.done():
-            self._track(future, frozenset(plan.libraries))
         return future
 
     def _track(self, future: CopyFuture, libraries: frozenset[str]) -> None:
-        self._inflight[future] = libraries
-        future._when_done(self._forget)
+        """Count ``future`` in flight until it completes (its ``on_done`` is `_forget`)."""
+        if future._status is _PENDING:
+            self._inflight[future] = libraries
+            # It may have completed meanwhile, its _forget finding nothing to forget yet.
+            if future._status is not _PENDING:
+                self._inflight.pop(future, None)
 
     def _forget(self, future: CopyFuture) -> None:
         self._inflight.pop(future, None)
@@ -311,14 +448,27 @@ def _copy_small_arrays(
     (within the inline budget), so every error still comes from the general path with its
     full message.
     """
-    if (type(src) is not list and type(src) is not tuple) or (
-        type(dst) is not list and type(dst) is not tuple
-    ):
-        return None
     n = len(src)
-    if n == 0 or n != len(dst) or n > _FAST_PATH_MAX_PAIRS or not transfers:
+    if n != len(dst) or not transfers or transfers[0][0] != HOST_EP_NAME:
         return None
-    if transfers[0][0] != HOST_EP_NAME:
+    if n == 1:  # the common case, in a straight line
+        s, d = src[0], dst[0]
+        if type(s) is not np.ndarray or type(d) is not np.ndarray:
+            return None
+        dtype = s.dtype
+        if (d.dtype is not dtype and d.dtype != dtype) or d.shape != s.shape or dtype.hasobject:
+            return None
+        sflags, dflags = s.flags, d.flags
+        if not (sflags.c_contiguous and dflags.c_contiguous and dflags.writeable):
+            return None
+        nbytes = s.nbytes
+        if not budget.allows(_HOST_ROUTE, nbytes) or _may_share_memory(d, s):
+            return None
+        start = perf_counter()
+        d[...] = s  # same shape and dtype, contiguous: an exact copy (no np.copyto dispatch)
+        budget.ran_inline(_HOST_ROUTE, nbytes, perf_counter() - start)
+        return [wrap_array(d, False)]
+    if n == 0 or n > _FAST_PATH_MAX_PAIRS:
         return None
     nbytes = 0
     for k in range(n):
@@ -348,13 +498,19 @@ def _copy_small_arrays(
         # Same shape and dtype, contiguous: an exact copy (cheaper than np.copyto's dispatch).
         dst[k][...] = src[k]  # type: ignore[index]
     budget.ran_inline(_HOST_ROUTE, nbytes, perf_counter() - start)
-    return [checked_host_tensor(d, readonly=False) for d in dst]  # type: ignore[arg-type]
+    return [wrap_array(d, False) for d in dst]  # type: ignore[arg-type]
+
+
+_may_share_memory = np.may_share_memory
 
 
 def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
     """The inline budget's kind for a batch: its (first) pair's route."""
     s, d = pairs[0]
-    return (s.buffer.memory_info.device, d.buffer.memory_info.device)
+    sdev, ddev = s.buffer.memory_info.device, d.buffer.memory_info.device
+    if sdev is HOST_MEMORY_DEVICE and ddev is HOST_MEMORY_DEVICE:
+        return _HOST_ROUTE
+    return (sdev, ddev)
 
 
 def _nbytes(pairs: Sequence[CopyPair]) -> int:
@@ -398,15 +554,6 @@ def _run_plan(plan: CopyPlan, budget: InlineBudget, signal: HostNotification) ->
     signal.set(None if failure is None else failure[1])
 
 
-def _note_use(plan: CopyPlan, done: Notification) -> None:
-    """Mark the batch's buffers as used until ``done``: a DLPack export of one of them
-    orders its consumer after the copy (``Buffer.pending_work``)."""
-    for t in plan.src:
-        t.buffer._last_use = done
-    for t in plan.dst:
-        t.buffer._last_use = done
-
-
 def _run_plan_after(
     waits: list[NotificationImpl],
     plan: CopyPlan,
@@ -420,35 +567,3 @@ def _run_plan_after(
             signal.set(error)
             return
     _run_plan(plan, budget, signal)
-
-
-class _Completed(NotificationImpl):
-    """The notification of a copy that finished before its future was made (inline or empty)."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self._error = error
-
-    def activate(self) -> None:
-        pass
-
-    def wait_on_device(self, stream: StreamImpl) -> None:
-        pass  # already complete: nothing to order after
-
-    def query(self) -> bool:
-        return True
-
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[], None]) -> bool:
-        fn()
-        return True
-
-    def wait_on_host(self, timeout: float | None) -> bool:
-        return True
-
-
-_COMPLETED = Notification(_Completed(None))
-"""The notification of every copy that finished without error before its future was made."""

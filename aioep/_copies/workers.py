@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from .._base.errors import ClosedError
 from .._streams.stream_impl import call_reporting
+from .._streams.wake import flush_wakeups, hold_wakeups
 
 __all__ = ["CopyWorkers"]
 
@@ -68,6 +69,8 @@ class CopyWorkers:
         if self._initializer is not None:
             call_reporting(self._initializer)
         get = self._queue.get
+        # The loops a copy wakes are woken right before this thread waits for the next one.
+        held = hold_wakeups()
         while True:
             fn = get()
             if fn is None:
@@ -76,6 +79,8 @@ class CopyWorkers:
             del fn  # drop the item (and the tensors it holds) before waiting for the next
             with self._lock:
                 self._idle += 1
+            if held:
+                flush_wakeups(held)
 
     @property
     def threads(self) -> int:

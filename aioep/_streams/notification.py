@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import traceback
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
-from .stream_impl import NotificationImpl, StreamImpl
-from .wake import checkpoint, wait_for, warn_if_blocking_loop
+from .stream_impl import NotificationImpl, StreamImpl, ThreadStream
+from .wake import checkpoint, poll, wait_for, waker_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
     from .stream import SyncStream
@@ -42,6 +44,43 @@ class Notification:
         # Producer stream uid -> sync id this point stands for (set on activate; see SyncStream).
         self._sync_table: dict[int, int] = {}
 
+    @classmethod
+    def _recorded(cls, stream: SyncStream) -> Notification:
+        """A new notification of ``stream``'s backend stream, activated: `SyncStream.record`
+        (the caller checked the stream is open)."""
+        backend = stream._impl
+        note = _new_notification(cls)
+        create = backend.create_notification
+        if getattr(create, "__func__", None) is _THREAD_STREAM_CREATE:
+            # A ThreadStream's own notification, made in its activated state at once.
+            impl: NotificationImpl = backend._new_mark()  # type: ignore[attr-defined]
+            fresh = True
+        else:
+            impl = create()
+            fresh = False
+        note._impl = impl
+        note._stream = stream
+        stream._dirty = False
+        stream._tail = note
+        stream._sync_id = sync_id = stream._sync_id + 1
+        clock = stream._sync_clock
+        note._sync_table = {**clock, stream._uid: sync_id} if clock else {stream._uid: sync_id}
+        if fresh:
+            backend._enqueue_signal(impl, 1)  # type: ignore[attr-defined]
+        else:
+            impl.activate()
+        return note
+
+    @classmethod
+    def _of(cls, impl: NotificationImpl, stream: SyncStream | None = None) -> Notification:
+        """A notification over ``impl`` (of ``stream``) that aioep made itself: the checks of
+        ``__init__`` are known to pass."""
+        note = _new_notification(cls)
+        note._impl = impl
+        note._stream = stream
+        note._sync_table = _NO_SYNC
+        return note
+
     @property
     def impl(self) -> NotificationImpl:
         """The backend's notification object."""
@@ -54,13 +93,14 @@ class Notification:
 
     def activate(self) -> None:
         """Move the mark to the current tail of the producing stream (like re-recording an event)."""
-        if self._stream is not None:
-            self._stream._check_open()
-            self._stream._dirty = False
-            self._stream._tail = self
-            stream = self._stream
-            stream._sync_id += 1
-            self._sync_table = {**stream._sync_clock, stream._uid: stream._sync_id}
+        stream = self._stream
+        if stream is not None:
+            stream._check_open()
+            stream._dirty = False
+            stream._tail = self
+            stream._sync_id = sync_id = stream._sync_id + 1
+            clock = stream._sync_clock
+            self._sync_table = {**clock, stream._uid: sync_id} if clock else {stream._uid: sync_id}
         self._impl.activate()
 
     def wait_on_device(self, stream: SyncStream) -> None:
@@ -111,12 +151,30 @@ class Notification:
         if impl.query():
             yield from checkpoint()  # an await always yields once, even when done
         else:
-            yield from wait_for(impl.add_done_callback, impl.query).__await__()
-        self._raise_if_failed()
+            loop = _get_running_loop()
+            if loop is None:  # trio (through anyio): wait_for's general path
+                yield from wait_for(impl.add_done_callback, impl.query).__await__()
+            else:
+                # asyncio, inlined (what wait_for does): park on a loop future that the
+                # completing thread's wake-up resolves.
+                waiter = loop.create_future()
+                if impl.add_done_callback(_partial(waker_for(loop).wake, waiter)):
+                    yield from waiter
+                else:  # the backend cannot call back: poll
+                    yield from poll(impl.query).__await__()
+        if impl.error() is not None:
+            self._raise_if_failed()
 
     def __repr__(self) -> str:
         where = f" on {self._stream!r}" if self._stream is not None else ""
         return f"<Notification {'done' if self.done() else 'pending'}{where}>"
+
+
+_new_notification = Notification.__new__
+_THREAD_STREAM_CREATE = ThreadStream.create_notification
+_get_running_loop = asyncio._get_running_loop
+_partial = functools.partial
+_NO_SYNC: dict[int, int] = {}  # the sync table of a mark never activated on a stream (read-only)
 
 
 def wait_blocking(notification: Notification, timeout: float | None = None) -> None:

@@ -93,11 +93,9 @@ class SyncStream(AsyncResource):
 
     def record(self) -> Notification:
         """Return a notification activated at the current tail of this stream."""
-        self._check_open()
-        notification = Notification(self._impl.create_notification(), self)
-        notification.activate()
-        self._tail = notification
-        return notification
+        if self._closed:
+            self._check_open()
+        return Notification._recorded(self)
 
     def wait(self, notification: Notification) -> None:
         """Make later work on this stream wait, on the device, for ``notification``.
@@ -196,6 +194,7 @@ class SyncStream(AsyncResource):
         if self._closed:
             return
         self._closed = True
+        self._routes.clear()  # the copy fast path finds no route on a closed stream
         try:
             self._impl.close()
         finally:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base.errors import ClosedError, NotImplementedByEp
+from .wake import flush_wakeups, hold_wakeups
 
 __all__ = [
     "ErrorLane",
@@ -130,14 +131,28 @@ def _poll(query: Callable[[], bool], timeout: float | None) -> bool:
 
 
 def run_callbacks(callbacks: list[Callable[[], None]]) -> None:
-    """Run and drop each callback in turn.
+    """Run and drop each callback in turn (one that raises is logged, as `call_reporting`).
 
     Each is released before the next runs: a later callback may wake a task that
     expects the objects an earlier one referenced (a copy future) to be gone.
     """
-    callbacks.reverse()
+    if len(callbacks) > 1:
+        callbacks.reverse()
     while callbacks:
-        call_reporting(callbacks.pop())
+        fn = callbacks.pop()
+        try:
+            fn()
+        except Exception as exc:
+            _report(fn, exc)
+            del exc
+        del fn
+
+
+def _report(fn: Callable[..., object], exc: BaseException) -> None:
+    # The text, not exc_info: a record that holds the traceback would keep the frames'
+    # objects (the future, its tensors) alive for as long as a handler keeps it.
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
 def call_reporting(fn: Callable[..., object], *args: Any) -> None:
@@ -149,11 +164,8 @@ def call_reporting(fn: Callable[..., object], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:
-        # The text, not exc_info: a record that holds the traceback would keep the frames'
-        # objects (the future, its tensors) alive for as long as a handler keeps it.
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        _report(fn, exc)
         del exc
-        _log.error("a done-callback %r raised; the error was ignored:\n%s", fn, text)
 
 
 class ErrorLane:
@@ -197,8 +209,10 @@ def leave_lane(token: contextvars.Token[tuple[ErrorLane, ...]]) -> None:
 
 def _lane_of(stream: StreamImpl) -> ErrorLane | None:
     lanes = _lanes.get()
-    if not lanes:
-        return None
+    return _lane_in(lanes, stream) if lanes else None
+
+
+def _lane_in(lanes: tuple[ErrorLane, ...], stream: StreamImpl) -> ErrorLane | None:
     for lane in reversed(lanes):
         if lane.stream is stream:
             return lane
@@ -234,22 +248,26 @@ class HostNotification(NotificationImpl):
         self._generation = 0
         self._lane: ErrorLane | None = None  # the lane the current mark was recorded in
         # The last mark (generation) the stream reached, superseded or not, and device-side
-        # waiters for a given mark: a wait captures the mark current when it is enqueued
-        # (cuStreamWaitEvent), so re-activating later never makes it wait for a new mark.
+        # waiters for a given mark (made on first use): a wait captures the mark current
+        # when it is enqueued (cuStreamWaitEvent), so re-activating later never makes it
+        # wait for a new mark.
         self._passed = 0
-        self._passed_waiters: list[tuple[int, Callable[[], None]]] = []
+        self._passed_waiters: list[tuple[int, Callable[[], None]]] | None = None
 
     def activate(self) -> None:
-        if self._stream is None:
+        stream = self._stream
+        if stream is None:
             return
-        lane = _lane_of(self._stream)
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-            self._done = False
-            self._error = None
-            self._lane = lane
-        self._stream._enqueue_signal(self, generation)
+        lanes = _lanes.get()
+        lane = _lane_in(lanes, stream) if lanes else None
+        lock = self._lock
+        lock.acquire()  # nothing below can raise: no try/finally needed
+        self._generation = generation = self._generation + 1
+        self._done = False
+        self._error = None
+        self._lane = lane
+        lock.release()
+        stream._enqueue_signal(self, generation)
 
     def set(self, error: BaseException | None = None, *, generation: int | None = None) -> bool:
         """Mark complete (with the failure of the work before it, if any) and run callbacks.
@@ -260,29 +278,38 @@ class HostNotification(NotificationImpl):
         callbacks = self._mark(error, generation)
         if callbacks is None:
             return False
-        run_callbacks(callbacks)
+        if callbacks:
+            run_callbacks(callbacks)
         return True
 
     def _mark(
         self, error: BaseException | None, generation: int | None
     ) -> list[Callable[[], None]] | None:
         # Complete without running callbacks; returns them, or None if the mark was superseded.
-        with self._lock:
-            passed = self._generation if generation is None else generation
-            released: list[Callable[[], None]] = []
+        released: list[Callable[[], None]] | None = None
+        lock = self._lock
+        lock.acquire()
+        try:
+            current = self._generation
+            passed = current if generation is None else generation
             if passed > self._passed:
                 self._passed = passed
-                if self._passed_waiters:
-                    released = [fn for g, fn in self._passed_waiters if g <= passed]
-                    self._passed_waiters = [w for w in self._passed_waiters if w[0] > passed]
-            superseded = generation is not None and generation != self._generation
-            if not superseded:
+                waiters = self._passed_waiters
+                if waiters:
+                    released = [fn for g, fn in waiters if g <= passed]
+                    self._passed_waiters = [w for w in waiters if w[0] > passed]
+            if passed != current:
+                callbacks = None  # superseded
+            else:
                 self._error = error
                 self._done = True
                 callbacks, self._callbacks = self._callbacks, []
-        for fn in released:
-            fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
-        return None if superseded else callbacks
+        finally:
+            lock.release()
+        if released:
+            for fn in released:
+                fn()  # a waiting stream's Event.set: cheap, safe under the caller's lock
+        return callbacks
 
     def _wait_passed(self, generation: int) -> None:
         """Block (a stream's worker) until the stream passed mark ``generation``."""
@@ -290,6 +317,8 @@ class HostNotification(NotificationImpl):
             if self._passed >= generation:
                 return
             event = threading.Event()
+            if self._passed_waiters is None:
+                self._passed_waiters = []
             self._passed_waiters.append((generation, event.set))
         event.wait()
 
@@ -300,10 +329,13 @@ class HostNotification(NotificationImpl):
         return self._error
 
     def add_done_callback(self, fn: Callable[[], None]) -> bool:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(fn)
-                return True
+        lock = self._lock
+        lock.acquire()
+        if not self._done:
+            self._callbacks.append(fn)
+            lock.release()
+            return True
+        lock.release()
         fn()
         return True
 
@@ -326,6 +358,8 @@ class HostNotification(NotificationImpl):
 
 _Op = tuple[str, object, int]
 _stream_ids = itertools.count()
+_new_host_notification = HostNotification.__new__
+_allocate_lock = threading.Lock
 
 
 class ThreadStream(StreamImpl):
@@ -339,6 +373,10 @@ class ThreadStream(StreamImpl):
     notification ``n`` of any backend completes: a device-side wait, the host
     is not blocked.
 
+    The worker wakes the event loops awaiting the marks it passes once it has passed all
+    those in a row, before it runs the work behind them or parks: a woken loop finds the
+    interpreter free.
+
     When the stream is idle (nothing queued, nothing running), a notification
     recorded on it completes at once, and `run_inline` (or
     ``enqueue(fn, inline=True)``) runs ``fn`` on the calling thread, as a driver does
@@ -348,12 +386,20 @@ class ThreadStream(StreamImpl):
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or f"aioep-stream-{next(_stream_ids)}"
-        # The worker waits on _cond; everything else takes the plain lock under it (cheaper).
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        # The idle worker sleeps on _wakeup, a lock it holds: whoever queues work for a
+        # sleeping worker releases it, once per sleep (_sleeping, under _lock, says when).
+        # Acquiring a lock parks the worker in C, without the Python a Condition runs on
+        # both sides of every wake-up.
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()
+        self._sleeping = False
         self._queue: collections.deque[_Op] = collections.deque()
         self._pending_error: BaseException | None = None
-        self._busy = False  # an op is running (on the worker or inline on a caller)
+        # An op is running (on the worker or inline on a caller). The worker sets it before
+        # it takes an op off the queue, so a reader that looks at the queue first, then at
+        # this, never sees an idle stream while work is in flight (query() takes no lock).
+        self._busy = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
@@ -365,9 +411,25 @@ class ThreadStream(StreamImpl):
     def create_notification(self) -> HostNotification:
         return HostNotification(self)
 
+    def _new_mark(self) -> HostNotification:
+        """A new notification in the state `HostNotification.activate` leaves it in, its
+        signal not enqueued yet (`_enqueue_signal` with generation 1 does that): the
+        core's ``SyncStream.record`` in fewer steps."""
+        note = _new_host_notification(HostNotification)
+        note._stream = self
+        note._lock = _allocate_lock()
+        note._done = False
+        note._callbacks = []
+        note._error = None
+        note._generation = 1
+        lanes = _lanes.get()
+        note._lane = _lane_in(lanes, self) if lanes else None
+        note._passed = 0
+        note._passed_waiters = None
+        return note
+
     def query(self) -> bool | None:
-        with self._lock:
-            return not self._queue and not self._busy
+        return not self._queue and not self._busy  # in this order (see _busy)
 
     def settled(self) -> bool:
         # A failure waiting in the caller's error lane is the caller's to see: a mark it
@@ -392,7 +454,8 @@ class ThreadStream(StreamImpl):
 
     def _in_lane(self, fn: Callable[[], None]) -> Callable[[], None]:
         # The op of a borrower in an error lane: its failure waits for that borrower's mark.
-        lane = _lane_of(self)
+        lanes = _lanes.get()
+        lane = _lane_in(lanes, self) if lanes else None
         return fn if lane is None else functools.partial(self._run_in_lane, fn, lane)
 
     def run_inline(self, fn: Callable[[], None]) -> bool:
@@ -418,7 +481,7 @@ class ThreadStream(StreamImpl):
             with self._lock:
                 self._busy = False
                 if self._queue:
-                    self._cond.notify()
+                    self._wake_worker()
         return True
 
     def enqueue_wait(self, notification: NotificationImpl) -> None:
@@ -433,28 +496,46 @@ class ThreadStream(StreamImpl):
             self._put(("wait", notification, -1))
 
     def _enqueue_signal(self, notification: HostNotification, generation: int) -> None:
-        with self._lock:
-            self._check_not_closed()
-            idle = not self._queue and not self._busy
-            if not idle:
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed:
+                self._check_not_closed()
+            if self._queue or self._busy:
                 self._queue.append(("signal", notification, generation))
-                self._cond.notify()  # holding _lock is holding _cond
+                if self._sleeping and not self._busy:
+                    self._wake_worker()
                 return
             lane = notification._lane
             error = self._take_error(lane)
+        finally:
+            lock.release()
         # The stream already passed this point: complete it here (callbacks run on this thread).
         if not notification.set(error, generation=generation) and error is not None:
             self._keep_error(error, lane)
+
+    def _wake_worker(self) -> None:
+        # Under self._lock, with work queued: wake the worker if it sleeps (and no inline op
+        # holds the stream: its end wakes it then).
+        if self._sleeping and not self._busy:
+            self._sleeping = False
+            self._wakeup.release()
 
     def _check_not_closed(self) -> None:
         if self._closed:
             raise ClosedError(f"stream {self.name} is closed")
 
     def _put(self, op: _Op) -> None:
-        with self._lock:
-            self._check_not_closed()
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed:
+                self._check_not_closed()
             self._queue.append(op)
-            self._cond.notify()
+            if self._sleeping and not self._busy:
+                self._wake_worker()
+        finally:
+            lock.release()
 
     def _keep_error(self, error: BaseException, lane: ErrorLane | None = None) -> None:
         # A superseded mark (re-activated notification) must not swallow a failure.
@@ -470,7 +551,7 @@ class ThreadStream(StreamImpl):
             lane.error = error
 
     def _take_error(self, lane: ErrorLane | None = None) -> BaseException | None:
-        # Called under self._cond when the stream reaches a mark (recorded in ``lane``).
+        # Called under self._lock when the stream reaches a mark (recorded in ``lane``).
         if lane is None:
             error, self._pending_error = self._pending_error, None
         else:
@@ -500,29 +581,47 @@ class ThreadStream(StreamImpl):
             self._keep_error(exc, lane)
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue or self._busy:
-                    if self._closed and not self._queue:
-                        return
-                    self._cond.wait()
-                kind, obj, generation = self._queue.popleft()
-                self._busy = True
-                if kind == "signal":
-                    # Mark it done before the stream reads as idle, and wake waiters only
-                    # after: whoever a mark wakes sees the stream past it.
+        lock, queue, wakeup = self._lock, self._queue, self._wakeup
+        # The loops that marks passed here wake are woken when this thread has nothing
+        # else to do first: before it runs more work, or right before it parks.
+        held = hold_wakeups()
+        lock.acquire()
+        while True:  # holding lock at the top of every turn
+            if not queue or self._busy:
+                if self._closed and not queue:
+                    lock.release()
+                    flush_wakeups(held)
+                    return
+                self._sleeping = True
+                lock.release()
+                if held:
+                    flush_wakeups(held)
+                wakeup.acquire()  # parked until _wake_worker releases it
+                lock.acquire()
+                continue
+            self._busy = True  # before the queue reads empty (see __init__)
+            kind, obj, generation = queue.popleft()
+            if kind == "signal":
+                # Mark it done before the stream reads as idle, and wake waiters only
+                # after: whoever a mark wakes sees the stream past it.
+                try:
                     lane = obj._lane  # type: ignore[attr-defined]
                     error = self._take_error(lane)
                     callbacks = obj._mark(error, generation)  # type: ignore[attr-defined]
                     if callbacks is None and error is not None:
                         self._store_error(error, lane)  # superseded mark: keep the failure
-                    del lane
+                finally:
                     self._busy = False
-                    del error
-            if kind == "signal":
-                run_callbacks(callbacks or [])
-                del obj, callbacks
+                    lock.release()
+                del lane, error, obj
+                if callbacks:
+                    run_callbacks(callbacks)
+                del callbacks
+                lock.acquire()
                 continue
+            lock.release()
+            if held:
+                flush_wakeups(held)
             try:
                 if kind == "op":
                     self._run_op(obj)  # type: ignore[arg-type]
@@ -534,12 +633,14 @@ class ThreadStream(StreamImpl):
                         obj.wait_on_host(None)  # type: ignore[attr-defined]
             finally:
                 del obj
-                with self._lock:
-                    self._busy = False
+                lock.acquire()
+                self._busy = False
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._cond.notify()
+            if self._sleeping:
+                self._sleeping = False
+                self._wakeup.release()
         if threading.current_thread() is not self._thread:
             self._thread.join()

@@ -8,7 +8,11 @@ run's ``TrioToken`` on trio. That is the one hop of a completion: the thread tha
 the work is done wakes the loop itself. Completions that arrive together (one pass of a
 stream worker over several marks, a dispatcher finding many events done) share one
 wake-up: each loop has one `LoopWaker` that collects them and wakes the loop once
-per batch. No thread is parked per waiter and nothing spins; cancelling the wait abandons
+per batch. A worker thread that completes work and then parks (a `ThreadStream`'s worker,
+a copy worker) holds the wake-ups it owes (`hold_wakeups`) and schedules them right before
+it runs more work, runs a user's done-callback or parks (`flush_wakeups`): the loop it
+wakes finds the interpreter free, instead of waking up only to wait for that thread to let
+go of it. No thread is parked per waiter and nothing spins; cancelling the wait abandons
 it and leaves the device work alone.
 """
 
@@ -30,6 +34,10 @@ import anyio.lowlevel
 __all__ = [
     "LoopWaker",
     "checkpoint",
+    "flush_held_wakeups",
+    "flush_wakeups",
+    "hold_wakeups",
+    "poll",
     "runs_event_loop",
     "wait_for",
     "waker_for",
@@ -60,10 +68,27 @@ class LoopWaker:
         self._scheduled = False
 
     def wake(self, waiter: Any) -> None:
-        """Wake ``waiter`` on the loop soon (call from any thread; never raises)."""
+        """Wake ``waiter`` on the loop soon (call from any thread; never raises).
+
+        On a thread that holds its wake-ups (`hold_wakeups`), the batch is scheduled
+        by that thread's next `flush_wakeups`.
+        """
         self._pending.append(waiter)
         if self._scheduled:
             return  # the batch is already scheduled: this completion rides along
+        held: list[LoopWaker] | None = getattr(_local, "held", None)
+        if held is not None:
+            if self not in held:
+                held.append(self)
+            return
+        # Two threads may both get here: the loop then runs one batch more, which is harmless.
+        self._scheduled = True
+        try:
+            self._schedule(self._run_batch)
+        except Exception:  # the loop is closed (asyncio) or the run finished (trio)
+            self._pending.clear()
+
+    def _schedule_batch(self) -> None:
         # Two threads may both get here: the loop then runs one batch more, which is harmless.
         self._scheduled = True
         try:
@@ -78,6 +103,58 @@ class LoopWaker:
         pending, fire = self._pending, self._fire
         while pending:
             fire(pending.popleft())
+
+
+class _AsyncioWaker(LoopWaker):
+    """The `LoopWaker` of an asyncio loop: its waiters are asyncio futures, resolved in
+    the batch itself (no call per waiter)."""
+
+    __slots__ = ()
+
+    def _run_batch(self) -> None:
+        self._scheduled = False  # see LoopWaker._run_batch
+        pending = self._pending
+        while pending:
+            fut = pending.popleft()
+            if not fut.done():  # not cancelled meanwhile
+                fut.set_result(None)
+
+
+_local = threading.local()  # .held: the LoopWakers a thread holding its wake-ups owes a batch
+
+
+def hold_wakeups() -> list[LoopWaker]:
+    """Hold the calling thread's loop wake-ups from now on: `LoopWaker.wake` files the
+    waiter but leaves scheduling its loop's batch to the thread's `flush_wakeups`, which
+    it calls before it does anything long (runs more work, sleeps).
+
+    For a worker thread that completes work and then blocks (a stream's worker, a copy
+    worker): woken last, right before the thread parks, the loop finds the interpreter
+    free when it wakes up, instead of waiting for the thread to get to its next wait
+    (and the completions of several marks passed in a row share one wake-up). Returns
+    the list the held wakers collect in, for `flush_wakeups`.
+    """
+    held: list[LoopWaker] = []
+    _local.held = held
+    return held
+
+
+def flush_held_wakeups() -> None:
+    """`flush_wakeups` for the calling thread, if it holds its wake-ups: before it runs
+    code that may take long or block (a user's done-callback), so that no loop it owes a
+    wake-up waits behind that code."""
+    held: list[LoopWaker] | None = getattr(_local, "held", None)
+    if held:
+        flush_wakeups(held)
+
+
+def flush_wakeups(held: list[LoopWaker]) -> None:
+    """Schedule the batch of every loop the calling thread owes a wake-up (see
+    `hold_wakeups`); never raises."""
+    while held:
+        waker = held.pop()
+        if not waker._scheduled:
+            waker._schedule_batch()
 
 
 # The waker of the loop (or trio run) last seen, then all of them by loop: most programs
@@ -97,7 +174,7 @@ def waker_for(loop: asyncio.AbstractEventLoop | Any) -> LoopWaker:
         waker = _wakers.get(loop)
         if waker is None:
             if isinstance(loop, asyncio.AbstractEventLoop):
-                waker = LoopWaker(loop.call_soon_threadsafe, _set_result)
+                waker = _AsyncioWaker(loop.call_soon_threadsafe, _set_result)
             else:
                 waker = LoopWaker(loop.run_sync_soon, _set_event)
             _wakers[loop] = waker
@@ -158,10 +235,12 @@ async def wait_for(register: Register, query: Callable[[], bool]) -> None:
         if register(functools.partial(waker_for(trio.lowlevel.current_trio_token()).wake, event)):
             await event.wait()
             return
-    await _poll(query)
+    await poll(query)
 
 
-async def _poll(query: Callable[[], bool]) -> None:
+async def poll(query: Callable[[], bool]) -> None:
+    """Wait until ``query()`` is True, polling with backoff (50 us doubling to 5 ms): the
+    fallback of a wait whose completion cannot call back."""
     delay = 50e-6
     while not query():
         await anyio.sleep(delay)

@@ -30,7 +30,7 @@ from .._base.errors import ClosedError, InvalidArgument
 if TYPE_CHECKING:
     from .tensor import Buffer, Tensor
 
-__all__ = ["FOREIGN", "Origin", "Scope", "check_owner", "origin_of"]
+__all__ = ["FOREIGN", "Origin", "Scope", "check_owner", "origin_of", "owned_by"]
 
 _scope_ids = itertools.count(1)
 
@@ -117,4 +117,18 @@ def check_owner(tensor: Tensor, scope: Scope, role: str) -> None:
         f"{role}: {tensor!r} is device memory of another environment ({origin}), not of "
         f"{scope.label}; use it with the environment that allocated it (or copy it to host "
         "memory there first)"
+    )
+
+
+def owned_by(tensor: Tensor, scope: Scope) -> bool:
+    """True where `check_owner` accepts ``tensor`` for ``scope`` (the test alone, for a
+    fast path that leaves every refusal to the full check and its message)."""
+    allocator = tensor.buffer.allocator
+    if allocator is None:
+        return True
+    origin = allocator._origin
+    return (
+        origin is None
+        or origin.scope is scope
+        or tensor.buffer.memory_info.device.is_host_accessible
     )

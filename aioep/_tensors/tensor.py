@@ -14,7 +14,7 @@ import numpy.typing as npt
 from .._base.errors import InUseError, InvalidArgument
 from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
 from .._base.validate import MAX_DIM, check_dtype, check_int, describe
-from .exports import ExportedMemory, free_deferred, note_handed_out, request_free
+from .exports import ExportedMemory, _holds, free_deferred, note_handed_out, request_free
 
 if TYPE_CHECKING:
     from .._memory.allocator import Allocator
@@ -175,7 +175,9 @@ class Buffer:
             released = self._released
         except AttributeError:
             return  # __init__ failed before the buffer held anything
-        if not released and not _finalizing():
+        if released or (self._on_release is None and type(self) in _PLAIN_BUFFERS):
+            return  # nothing to give back (a view of a numpy array, say)
+        if not _finalizing():
             self._release()
 
     @property
@@ -198,6 +200,21 @@ class Buffer:
     def __repr__(self) -> str:
         state = " freed" if self.freed else ""
         return f"<Buffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r}{state}>"
+
+
+class _ArrayBuffer(Buffer):
+    """A `Buffer` over a numpy array's memory (`Tensor.from_numpy`): host RAM, no
+    allocator, nothing to give back; what every such buffer shares is the class's."""
+
+    __slots__ = ()
+    memory_info = HOST_MEMORY_INFO  # type: ignore[assignment]
+    allocator = None
+    stream = None
+    _pin_lock = _PIN_LOCK
+
+
+_PLAIN_BUFFERS = (Buffer, _ArrayBuffer)  # types whose buffers have nothing to release when
+# they have no release callback
 
 
 class _ArrayInterface:
@@ -527,13 +544,220 @@ def checked_host_tensor(array: npt.NDArray[Any], *, readonly: bool) -> Tensor:
     """A tensor over ``array``, which the caller checked is a C-contiguous numpy array of
     plain values (what `Tensor.from_numpy` checks): what numpy knows (address, size,
     shape, dtype) is taken as it is, not derived or validated again."""
+    return wrap_array(array, readonly)
+
+
+def wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
+    """`checked_host_tensor` with a positional flag: the copy fast paths' form."""
     nbytes = array.nbytes
     # A writable one's address comes straight through the buffer protocol (data_address).
     ptr = _address_of(_view_bytes(array)) if nbytes and not readonly else data_address(array)
-    buffer = Buffer(ptr, nbytes, HOST_MEMORY_INFO, owner=array, readonly=readonly)
-    return Tensor._over_array(array, buffer)
+    # The buffer's and the tensor's fields set directly: numpy vouches for every value.
+    buffer = _new_buffer(_ArrayBuffer)
+    buffer.ptr = ptr
+    buffer.nbytes = nbytes
+    buffer.readonly = readonly
+    buffer._owner = array
+    buffer._last_use = None
+    buffer._pins = 0
+    buffer._on_release = None
+    buffer._released = False
+    tensor = _new_tensor(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor._nbytes = nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
 
 
+def copy_pairs(
+    src: Sequence[object], dst: Sequence[object]
+) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
+    """The tensors of a copy batch that passes every check of the general path at once:
+    ``(pairs, sources, destinations, user_tensors)``; None for any batch it does not take
+    (the general path then accepts or refuses it, with the full message).
+
+    Each argument is a `Tensor` (not a subclass) whose buffer is not freed, and not
+    read-only for a destination, or a C-contiguous numpy array of plain values (writable
+    for a destination), wrapped here; each pair agrees in dtype, size and shape; no
+    destination overlaps another tensor of the batch in memory. ``user_tensors`` are the
+    tensors the caller passed (arrays wrapped here are nobody else's: no one can free
+    them). The owners of device memory are not checked here (``ownership.owned_by``).
+    """
+    n = len(src)
+    if n != len(dst):
+        return None
+    if n == 1:
+        return copy_pair(src[0], dst[0])
+    pairs: list[tuple[Tensor, Tensor]] = []
+    sources: list[Tensor] = []
+    dests: list[Tensor] = []
+    users: list[Tensor] = []
+    for k in range(n):
+        s: Any = src[k]
+        kind = type(s)
+        if kind is Tensor:
+            buffer = s.buffer
+            if buffer._released or (_holds and free_deferred(buffer)):
+                return None
+            users.append(s)
+        elif kind is np.ndarray:
+            flags = s.flags
+            if not flags.c_contiguous or s.dtype.hasobject:
+                return None
+            s = wrap_array(s, not flags.writeable)
+        else:
+            return None
+        d: Any = dst[k]
+        kind = type(d)
+        if kind is Tensor:
+            buffer = d.buffer
+            if buffer._released or buffer.readonly or (_holds and free_deferred(buffer)):
+                return None
+            users.append(d)
+        elif kind is np.ndarray:
+            flags = d.flags
+            if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
+                return None
+            d = wrap_array(d, False)
+        else:
+            return None
+        sd, dd = s.dtype, d.dtype
+        if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
+            return None
+        pairs.append((s, d))
+        sources.append(s)
+        dests.append(d)
+    for i, d in enumerate(dests):  # a destination may overlap nothing else
+        for t in sources:
+            if _overlap(d, t):
+                return None
+        for t in dests[i + 1 :]:
+            if _overlap(d, t):
+                return None
+    return pairs, sources, dests, users
+
+
+def copy_pair(
+    s: Any, d: Any
+) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
+    """`copy_pairs` for a batch of one pair (source ``s``, destination ``d``), the common
+    case, in a straight line."""
+    kind = type(s)
+    if kind is Tensor:
+        buffer = s.buffer
+        if buffer._released or (_holds and free_deferred(buffer)):
+            return None
+        users = [s]
+    elif kind is np.ndarray:
+        flags = s.flags
+        if not flags.c_contiguous or s.dtype.hasobject:
+            return None
+        s = wrap_array(s, not flags.writeable)
+        users = []
+    else:
+        return None
+    kind = type(d)
+    if kind is Tensor:
+        buffer = d.buffer
+        if buffer._released or buffer.readonly or (_holds and free_deferred(buffer)):
+            return None
+        users.append(d)
+    elif kind is np.ndarray:
+        flags = d.flags
+        if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
+            return None
+        d = wrap_array(d, False)
+    else:
+        return None
+    sd, dd = s.dtype, d.dtype
+    if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
+        return None
+    if _overlap(s, d):
+        return None
+    return [(s, d)], [s], [d], users
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` share bytes of one address space (host memory, pinned
+    included, is one; each device's memory another)."""
+    an, bn = a._nbytes, b._nbytes
+    if not an or not bn:
+        return False
+    abuf, bbuf = a.buffer, b.buffer
+    adev, bdev = abuf.memory_info.device, bbuf.memory_info.device
+    if adev is not bdev:
+        host = adev.is_host_accessible
+        if host != bdev.is_host_accessible or (not host and adev != bdev):
+            return False
+    astart = abuf.ptr + a.byte_offset
+    bstart = bbuf.ptr + b.byte_offset
+    return astart < bstart + bn and bstart < astart + an
+
+
+def pin_for(tensors: Sequence[Tensor], work: object) -> None:
+    """Pin each tensor's buffer against `Buffer.free` and note ``work`` (a notification)
+    as the last use of its memory (`Buffer.pending_work`), until `unpin`."""
+    lock = _PIN_LOCK
+    if len(tensors) == 1:
+        buffer = tensors[0].buffer
+        if buffer._pin_lock is lock:
+            buffer._last_use = work
+            lock.acquire()
+            buffer._pins += 1
+            lock.release()
+            return
+    others: list[Buffer] | None = None
+    lock.acquire()
+    try:
+        for t in tensors:
+            buffer = t.buffer
+            buffer._last_use = work
+            if buffer._pin_lock is lock:
+                buffer._pins += 1
+            elif others is None:
+                others = [buffer]
+            else:
+                others.append(buffer)
+    finally:
+        lock.release()
+    if others is not None:
+        for buffer in others:
+            buffer._pin()
+
+
+def unpin(tensors: Sequence[Tensor]) -> None:
+    """Undo `pin_for`."""
+    lock = _PIN_LOCK
+    if len(tensors) == 1:
+        buffer = tensors[0].buffer
+        if buffer._pin_lock is lock:
+            lock.acquire()
+            buffer._pins -= 1
+            lock.release()
+            return
+    others: list[Buffer] | None = None
+    lock.acquire()
+    try:
+        for t in tensors:
+            buffer = t.buffer
+            if buffer._pin_lock is lock:
+                buffer._pins -= 1
+            elif others is None:
+                others = [buffer]
+            else:
+                others.append(buffer)
+    finally:
+        lock.release()
+    if others is not None:
+        for buffer in others:
+            buffer._unpin()
+
+
+_new_buffer = Buffer.__new__  # (of a subclass too)
+_new_tensor = Tensor.__new__
 _view_bytes: Callable[[Any], Any] = ctypes.c_char.from_buffer  # an ndarray is a buffer
 _address_of = ctypes.addressof
 

@@ -32,6 +32,9 @@ class EngineUse(NamedTuple):
     """When it let the engine go."""
 
 
+_new_use = tuple.__new__  # an EngineUse without its generated __new__'s Python frame
+
+
 class SimDevice:
     """A simulated GPU: private DEFAULT memory, pinned host memory and three copy engines.
 
@@ -73,6 +76,12 @@ class SimDevice:
         self.copies = 0
         """Copies started on this device (the count fault injection uses)."""
         self.lost_reason: str | None = None
+        # Fault injection, read by every copy: copies past _lose_after lose the device, copy
+        # _fail_at fails.
+        self._lose_after = options.lose_device_after_copies
+        fail = options.fail_after_copies
+        self._fail_at = None if fail is None else fail + 1
+        self._faults = self._lose_after is not None or self._fail_at is not None
 
     @property
     def lost(self) -> bool:
@@ -90,28 +99,30 @@ class SimDevice:
         Raises:
             DeviceError: the device is lost, or this copy is the one set to fail.
         """
-        opts = self.options
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self.lost_reason is not None:
                 self.check_alive("copy")
-            self.copies += 1
-            n = self.copies
-            if opts.lose_device_after_copies is not None and n > opts.lose_device_after_copies:
+            self.copies = n = self.copies + 1
+            if self._faults and self._lose_after is not None and n > self._lose_after:
                 self.lost_reason = (
                     f"device lost at copy {n} (lose_device_after_copies="
-                    f"{opts.lose_device_after_copies}); all later work on it fails"
+                    f"{self._lose_after}); all later work on it fails"
                 )
                 raise DeviceError(f"sim device {self.device_id}: {self.lost_reason}")
-        if opts.fail_after_copies is not None and n == opts.fail_after_copies + 1:
+        finally:
+            lock.release()
+        if self._faults and n == self._fail_at:
             raise DeviceError(
                 f"sim device {self.device_id}: injected failure of copy {n} "
-                f"(fail_after_copies={opts.fail_after_copies})"
+                f"(fail_after_copies={self.options.fail_after_copies})"
             )
         return n
 
     def record_engine_use(self, engine: str, nbytes: int, start: float) -> None:
         """Note a throttled copy that held ``engine`` from ``start`` until now."""
-        self.engine_log.append(EngineUse(engine, nbytes, start, time.perf_counter()))
+        self.engine_log.append(_new_use(EngineUse, (engine, nbytes, start, time.perf_counter())))
 
     def __repr__(self) -> str:
         state = " lost" if self.lost else ""

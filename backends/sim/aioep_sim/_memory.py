@@ -56,6 +56,9 @@ class DeviceMemory:
         ] = {}  # start -> (block, host addr)
         self.in_use = 0
         self.peak = 0
+        # The allocation resolve() found last: (start, end, block, host address). Set and
+        # cleared under the lock, read without it (a free clears it before it returns).
+        self._last: tuple[int, int, npt.NDArray[np.uint8], int] | None = None
 
     def allocate(self, nbytes: int) -> int:
         """Reserve ``nbytes`` and return its device address.
@@ -95,6 +98,7 @@ class DeviceMemory:
     def free(self, ptr: int) -> None:
         """Release the allocation that starts at ``ptr``."""
         with self._lock:
+            self._last = None
             entry = self._blocks.pop(ptr, None)
             if entry is None:
                 raise DeviceError(f"sim device {self.device_id}: free of unknown address {ptr:#x}")
@@ -111,12 +115,16 @@ class DeviceMemory:
         Raises:
             DeviceError: the range is not inside one live allocation (an illegal address).
         """
+        last = self._last  # the common case: the allocation of the last copy, still live
+        if last is not None and last[0] <= ptr and ptr + nbytes <= last[1]:
+            return last[2], last[3] + (ptr - last[0])
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i >= 0:
                 start = self._starts[i]
                 block, addr = self._blocks[start]
                 if ptr - start + nbytes <= block.nbytes:
+                    self._last = (start, start + block.nbytes, block, addr)
                     return block, addr + (ptr - start)
         raise DeviceError(
             f"sim device {self.device_id}: illegal address: {nbytes} bytes at {ptr:#x} are not "

@@ -41,6 +41,10 @@ SMALL_COPY_BYTES = 64 << 10
 another thread keep it meanwhile (an inline copy on the event loop would wait for it)."""
 
 _Engines = tuple[tuple[SimDevice, str], ...]
+_Route = tuple[
+    SimDevice | None, SimDevice | None, SimDevice, SimDevice | None, _Engines, tuple[Any, ...]
+]
+_perf_counter = time.perf_counter
 
 
 class SimDataTransfer(DataTransfer):
@@ -68,6 +72,8 @@ class SimDataTransfer(DataTransfer):
         self._private: dict[MemoryDevice, SimDevice | None] = {}
         self._owner: dict[MemoryDevice, SimDevice | None] = {}
         self._engines: dict[tuple[SimDevice | None, SimDevice | None], _Engines] = {}
+        # (source memory device, destination memory device) -> what _copy needs of the pair
+        self._routes: dict[tuple[MemoryDevice, MemoryDevice], _Route] = {}
         self._lock = threading.Lock()
         self._own: dict[int, list[SimStream]] = {}  # device id -> its streams for un-streamed
         self._turn = 0
@@ -185,27 +191,43 @@ class SimDataTransfer(DataTransfer):
             self._engines[key] = engines
         return engines
 
-    def _side(self, t: Tensor, dev: SimDevice | None, n: int) -> tuple[int, Any]:
-        """(host address to copy at, object to keep alive while copying)."""
-        if dev is None:
-            return t.data_ptr, t
-        block, addr = dev.memory.resolve(t.data_ptr, n)
-        return addr, block
+    def _route(self, sinfo: MemoryDevice, dinfo: MemoryDevice) -> _Route:
+        """What a copy from ``sinfo`` to ``dinfo`` memory needs: (source device, destination
+        device (each None where the host addresses the memory), the device that counts the
+        copy, the device whose loss fails it first, the engines it holds)."""
+        route = self._routes.get((sinfo, dinfo))
+        if route is None:
+            sdev, ddev = self._private_of(sinfo), self._private_of(dinfo)
+            owner = sdev or ddev or self._owner_of(sinfo) or self._owner_of(dinfo)
+            assert owner is not None  # can_copy checked it
+            check = ddev if ddev is not None and sdev is not ddev else None
+            engines = self._engines_for(sdev, ddev)
+            locks = tuple(dev.engines[name] for dev, name in engines)
+            route = (sdev, ddev, owner, check, engines, locks)
+            self._routes[(sinfo, dinfo)] = route
+        return route
 
     def _copy(self, src: Tensor, dst: Tensor) -> None:
         n = src.nbytes
         if n == 0:
             return
-        sinfo, dinfo = src.device, dst.device
-        sdev, ddev = self._private_of(sinfo), self._private_of(dinfo)
-        if ddev is not None and sdev is not ddev:
-            ddev.check_alive("copy")
-        owner = sdev or ddev or self._owner_of(sinfo) or self._owner_of(dinfo)
-        assert owner is not None  # can_copy checked it
+        sbuf, dbuf = src.buffer, dst.buffer
+        sdev, ddev, owner, check, engines, locks = self._route(
+            sbuf.memory_info.device, dbuf.memory_info.device
+        )
+        if check is not None:
+            check.check_alive("copy")
         owner.begin_copy()  # raises if lost (or injected to fail)
         # Resolve device addresses when the copy runs: freed memory is an illegal address.
-        src_addr, src_keep = self._side(src, sdev, n)
-        dst_addr, dst_keep = self._side(dst, ddev, n)
+        # The blocks resolved are held while copying (a free meanwhile cannot unmap them).
+        if sdev is None:
+            src_addr, src_keep = sbuf.ptr + src.byte_offset, None
+        else:
+            src_keep, src_addr = sdev.memory.resolve(sbuf.ptr + src.byte_offset, n)
+        if ddev is None:
+            dst_addr, dst_keep = dbuf.ptr + dst.byte_offset, None
+        else:
+            dst_keep, dst_addr = ddev.memory.resolve(dbuf.ptr + dst.byte_offset, n)
         memmove = _small_memmove if n <= SMALL_COPY_BYTES else _memmove
         if self._free:
             memmove(dst_addr, src_addr, n)
@@ -217,18 +239,17 @@ class SimDataTransfer(DataTransfer):
         if not self._bytes_per_s:
             memmove(dst_addr, src_addr, n)
             return
-        engines = self._engines_for(sdev, ddev)
-        for dev, name in engines:
-            dev.engines[name].acquire()
+        for lock in locks:
+            lock.acquire()
         try:
-            start = time.perf_counter()
+            start = _perf_counter()
             memmove(dst_addr, src_addr, n)
-            remaining = start + n / self._bytes_per_s - time.perf_counter()
+            remaining = start + n / self._bytes_per_s - _perf_counter()
             if remaining > 0:
                 time.sleep(remaining)  # loop-safe: bandwidth set means never inline (see above)
             for dev, name in engines:
                 dev.record_engine_use(name, n, start)
         finally:
-            for dev, name in reversed(engines):
-                dev.engines[name].release()
+            for lock in reversed(locks):
+                lock.release()
         del src_keep, dst_keep
