@@ -31,8 +31,6 @@ from ._base.types import MemoryInfo as MemoryInfo
 from ._base.types import MemoryType as MemoryType
 from ._copies.future import CopyFuture as CopyFuture
 from ._copies.future import CopyStatus as CopyStatus
-from ._devices.device import EpDevice as EpDevice
-from ._devices.factory import EpFactory as EpFactory
 from ._environment.environment import Environment as Environment
 from ._environment.environment import copy_tensors as copy_tensors
 from ._environment.environment import current_environment as current_environment
@@ -42,22 +40,24 @@ from ._graph.graph import GraphView as GraphView
 from ._graph.graph import Initializer as Initializer
 from ._graph.graph import Node as Node
 from ._graph.graph import ValueInfo as ValueInfo
-from ._memory.allocator import Allocator as Allocator
 from ._memory.arena import ArenaAllocator as ArenaAllocator
 from ._memory.arena import ArenaConfig as ArenaConfig
 from ._memory.arena import ArenaExtendStrategy as ArenaExtendStrategy
-from ._session.ep import CompiledNode as CompiledNode
-from ._session.ep import Ep as Ep
-from ._session.ep import FusedGroup as FusedGroup
-from ._session.ep import IndexedSubGraph as IndexedSubGraph
-from ._session.ep import MetaDef as MetaDef
+from ._plugin.allocator import Allocator as Allocator
+from ._plugin.device import EpDevice as EpDevice
+from ._plugin.ep import CompiledNode as CompiledNode
+from ._plugin.ep import Ep as Ep
+from ._plugin.ep import FusedGroup as FusedGroup
+from ._plugin.ep import IndexedSubGraph as IndexedSubGraph
+from ._plugin.ep import MetaDef as MetaDef
+from ._plugin.factory import EpFactory as EpFactory
+from ._plugin.notification import Notification as Notification
+from ._plugin.stream import SyncStream as SyncStream
+from ._plugin.tensor import Buffer as Buffer
+from ._plugin.tensor import Tensor as Tensor
 from ._session.io_binding import IOBinding as IOBinding
 from ._session.node_arg import NodeArg as NodeArg
 from ._session.session import Session as Session
-from ._streams.notification import Notification as Notification
-from ._streams.stream import SyncStream as SyncStream
-from ._tensors.tensor import Buffer as Buffer
-from ._tensors.tensor import Tensor as Tensor
 
 __version__ = "0.1.0"
 

@@ -43,8 +43,8 @@ from collections.abc import AsyncIterator, Generator, Iterator
 
 import pytest
 
-from ._devices.device import EpDevice
 from ._environment.environment import Environment
+from ._plugin.device import EpDevice
 from ._tools.pytest_entry import add_markers, add_options, entry_point, ini
 from ._tools.pytest_env import (
     CALL_FAILED,

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 import aioep
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig
 
 MIB = 1 << 20

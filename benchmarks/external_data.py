@@ -39,7 +39,7 @@ import numpy as np
 import psutil
 
 import aioep
-from aioep._external_data.chunked_loader import ChunkedExternalDataLoader
+from aioep._copies.chunked_loader import ChunkedExternalDataLoader
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -201,7 +201,7 @@ def raw_read_fresh(path: Path, chunk: int) -> float:
 
 async def loader_steady_state(model: Path, size: int, chunk: int, which: str) -> float:
     """Seconds for the loader alone into device memory already touched (no first-touch faults)."""
-    from aioep._external_data.info import read_initializers
+    from aioep._session.external_data import read_initializers
 
     specs = read_initializers(str(model), None)
     opts = {"memory_bytes": size + 256 * MIB, "num_devices": 1}

@@ -7,7 +7,7 @@ from typing import Any
 
 import aioep
 from aioep._base.types import HOST_MEMORY_DEVICE
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep.abc import Allocator, CopyPair, DataTransfer, EpFactory, StreamImpl, ThreadStream
 
 MakeEnv = Callable[..., Awaitable[aioep.Environment]]

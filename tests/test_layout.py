@@ -176,6 +176,91 @@ def test_test_modules_import_test_modules_of_their_own_folder_only() -> None:
                     )
 
 
+# -- no private attribute crosses a subpackage ------------------------------------------------
+# A private name (``_x``, not a dunder) defined in one subpackage (assigned on ``self``/``cls``,
+# in ``__slots__``, a method or a class attribute) and used through another object in another
+# subpackage: what a neighbour needs is a method or a property with a name. Each entry here
+# says why it stays.
+PRIVATE_CROSSINGS: dict[str, str] = {}
+
+
+def _subpackage(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else "<top>"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _class_level_names(stmt: ast.stmt) -> list[str]:
+    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+        return [stmt.target.id]
+    if not isinstance(stmt, ast.Assign):
+        return []
+    names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
+    if "__slots__" in names and isinstance(stmt.value, (ast.Tuple, ast.List)):
+        return [e.value for e in stmt.value.elts if isinstance(e, ast.Constant)]
+    return names
+
+
+def private_crossings(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """Private attribute name -> the places (``path:line``) where a subpackage other than
+    those defining it uses it through an object other than ``self``/``cls``."""
+    defined: dict[str, set[str]] = {}
+    used: list[tuple[str, str, str]] = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package).parts
+        here = parts[0] if len(parts) > 1 else "<top>"
+        where = f"{package.name}/{path.relative_to(package).as_posix()}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                if on_self and isinstance(node.ctx, ast.Store):
+                    defined.setdefault(node.attr, set()).add(here)
+                elif not on_self:
+                    used.append((node.attr, here, f"{where}:{node.lineno}"))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _is_private(node.name):
+                    defined.setdefault(node.name, set()).add(here)
+            elif isinstance(node, ast.ClassDef):
+                for stmt in node.body:
+                    for name in _class_level_names(stmt):
+                        if _is_private(name):
+                            defined.setdefault(name, set()).add(here)
+    found: dict[str, list[str]] = {}
+    for name, here, where in used:
+        owners = defined.get(name, set())
+        if owners and here not in owners:
+            found.setdefault(name, []).append(where)
+    return found
+
+
+def test_no_private_attribute_crosses_a_subpackage() -> None:
+    found = private_crossings()
+    assert set(found) == set(PRIVATE_CROSSINGS), (
+        "private attributes used from another subpackage (give the neighbour a method or a "
+        "property; remove from PRIVATE_CROSSINGS what no longer crosses): "
+        + "; ".join(f"{name}: {', '.join(places)}" for name, places in sorted(found.items()))
+    )
+
+
+def test_the_private_crossing_scan_finds_a_crossing(tmp_path: Path) -> None:
+    """The scan is not blind: a slot of one subpackage read from another is found, a read
+    through ``self`` and a name of the reader's own subpackage are not."""
+    package = tmp_path / "pkg"
+    (package / "_low").mkdir(parents=True)
+    (package / "_high").mkdir()
+    (package / "_low" / "buffer.py").write_text(
+        "class Buffer:\n    __slots__ = ('_pins',)\n    def pin(self):\n        self._pins = 1\n"
+    )
+    (package / "_high" / "user.py").write_text(
+        "class User:\n    def __init__(self, buffer):\n        self._own = buffer._pins\n"
+        "    def use(self, other):\n        return other._own\n"
+    )
+    assert private_crossings(package) == {"_pins": ["pkg/_high/user.py:3"]}
+
+
 # -- size: no module over 600 lines, no class over 400, in aioep/ and backends/ ---------------
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
@@ -190,8 +275,8 @@ OVERSIZE = {
     "aioep/_memory/arena_pool.py": _RELAYERING,
     "aioep/_memory/arena_pool.py::StreamPool": _RELAYERING,
     "aioep/_session/session.py": _RELAYERING,
-    "aioep/_streams/stream_impl.py": _RELAYERING,
-    "aioep/_tensors/tensor.py": _RELAYERING,
+    "aioep/_plugin/stream_impl.py": _RELAYERING,
+    "aioep/_plugin/tensor.py": _RELAYERING,
     "aioep/_tools/bench.py": _RELAYERING,
 }
 

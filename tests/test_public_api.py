@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import aioep
-import aioep._tensors.tensor
+import aioep._plugin.tensor
 import aioep.abc
 import aioep.bench
 
@@ -179,12 +179,12 @@ def _private_uses(source: str, allowed_modules: set[str]) -> list[str]:
 
 def test_private_use_checker_catches_private_imports() -> None:
     bad = (
-        "import aioep._tensors.tensor\n"
-        "from aioep._session.ep import Ep\n"
+        "import aioep._plugin.tensor\n"
+        "from aioep._plugin.ep import Ep\n"
         "from aioep import _graph\n"
         "from aioep.bench import run_bench\n"
         "import aioep\n"
-        "x = aioep._tensors.tensor.HOST_MEMORY_INFO\n"
+        "x = aioep._plugin.tensor.HOST_MEMORY_INFO\n"
     )
     assert len(_private_uses(bad, BACKEND_MODULES)) == 5
     good = "import aioep\nfrom aioep.abc import Ep, GraphView\nprint(aioep.__file__)\n"
@@ -268,7 +268,7 @@ def test_register_dlpack_exporter() -> None:
         host = aioep.Tensor.from_numpy(np.arange(3, dtype=np.float32))
         np.testing.assert_array_equal(np.from_dlpack(host), [0, 1, 2])
     finally:
-        aioep._tensors.tensor._dlpack_exporters.pop(_TEST_VENDOR_ID, None)
+        aioep._plugin.tensor._dlpack_exporters.pop(_TEST_VENDOR_ID, None)
 
 
 @pytest.mark.parametrize(
@@ -285,4 +285,4 @@ def test_register_dlpack_exporter_rejects_bad_arguments(
 ) -> None:
     with pytest.raises(aioep.InvalidArgument, match=match):
         aioep.abc.register_dlpack_exporter(vendor_id, exporter)
-    assert vendor_id not in aioep._tensors.tensor._dlpack_exporters
+    assert vendor_id not in aioep._plugin.tensor._dlpack_exporters

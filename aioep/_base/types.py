@@ -15,6 +15,7 @@ from .validate import check_int, check_type, describe
 _MAX_ID = (1 << 32) - 1  # vendor and device ids are uint32 in ORT
 
 __all__ = [
+    "HOST_EP_NAME",
     "HOST_MEMORY_DEVICE",
     "AllocatorType",
     "DeviceType",
@@ -163,3 +164,7 @@ class MemoryInfo:
     def device_type(self) -> DeviceType:
         """Shorthand for ``device.device_type``."""
         return self.device.device_type
+
+
+HOST_EP_NAME = "host"
+"""The name the host library registers under in every environment."""

@@ -14,13 +14,13 @@ import numpy.typing as npt
 
 from .._base.errors import EpError, InUseError, InvalidArgument
 from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo, MemoryType
-from .._tensors.tensor import Tensor
-from .loader import ExternalDataLoader
+from .._plugin.loader import ExternalDataLoader
+from .._plugin.tensor import Tensor
 
 if TYPE_CHECKING:
-    from .._copies.future import CopyFuture
     from .._environment.environment import Environment
-    from .._streams.stream import SyncStream
+    from .._plugin.stream import SyncStream
+    from .future import CopyFuture
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedExternalDataLoader"]
 

@@ -21,19 +21,18 @@ import numpy as np
 
 from .._base.budget import InlineBudget
 from .._base.errors import InvalidArgument, translate_backend_error
-from .._base.types import HOST_MEMORY_DEVICE
-from .._devices.host import HOST_EP_NAME, lower_thread_priority
-from .._interop.foreign import import_copy_args, importers_of
-from .._interop.importer import MemoryImporter
-from .._memory.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
-from .._streams.notification import Notification, wait_blocking
-from .._streams.routes import RouteCache
-from .._streams.stream import SyncStream
-from .._streams.stream_impl import HostNotification, NotificationImpl, ThreadStream
-from .._tensors.ownership import Scope, owned_by
-from .._tensors.tensor import Tensor, copy_pair, copy_pairs, wrap_array
+from .._base.types import HOST_EP_NAME, HOST_MEMORY_DEVICE
+from .._memory.foreign import import_copy_args, importers_of
+from .._plugin.importer import MemoryImporter
+from .._plugin.notification import Notification, wait_blocking
+from .._plugin.ownership import Scope, owned_by
+from .._plugin.routes import RouteCache
+from .._plugin.stream import SyncStream
+from .._plugin.stream_impl import HostNotification, NotificationImpl, ThreadStream
+from .._plugin.tensor import Tensor, copy_pair, copy_pairs, wrap_array
+from .._plugin.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
-from .workers import CopyWorkers
+from .workers import CopyWorkers, lower_thread_priority
 
 if TYPE_CHECKING:
     from .._environment.registry import Library

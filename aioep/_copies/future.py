@@ -11,16 +11,16 @@ from typing import Any
 
 from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
-from .._streams.notification import Notification, device_error
-from .._streams.stream_impl import NotificationImpl, StreamImpl, call_reporting
-from .._streams.wake import (
+from .._plugin.notification import Notification, device_error
+from .._plugin.stream_impl import NotificationImpl, StreamImpl, call_reporting
+from .._plugin.tensor import Tensor, pin_for, unpin
+from .._plugin.wake import (
     checkpoint,
     flush_held_wakeups,
     wait_for,
     waker_for,
     warn_if_blocking_loop,
 )
-from .._tensors.tensor import Tensor, pin_for, unpin
 
 __all__ = ["COMPLETED", "Completed", "CopyFuture", "CopyStatus", "done_future"]
 

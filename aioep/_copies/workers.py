@@ -10,15 +10,33 @@ worker is free.
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 
 from .._base.errors import ClosedError
-from .._streams.stream_impl import call_reporting
-from .._streams.wake import flush_wakeups, hold_wakeups
+from .._plugin.stream_impl import call_reporting
+from .._plugin.wake import flush_wakeups, hold_wakeups
 
-__all__ = ["CopyWorkers"]
+__all__ = ["COPY_THREAD_NICE", "CopyWorkers", "lower_thread_priority"]
+
+
+COPY_THREAD_NICE = 5
+"""Niceness of aioep's copy worker threads (Linux): when the event loop's thread wakes up
+it gets a core at once instead of waiting for a copying thread's time slice."""
+
+
+def lower_thread_priority(nice: int = COPY_THREAD_NICE) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux only; best effort)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (OSError, AttributeError):
+        pass
 
 
 class CopyWorkers:

@@ -27,6 +27,7 @@ from anyio.abc import AsyncResource
 from .._base.budget import DEFAULT_INLINE_BUDGET_US, InlineBudget
 from .._base.errors import ClosedError, EpError, InvalidArgument
 from .._base.types import (
+    HOST_EP_NAME,
     AllocatorType,
     DeviceType,
     HardwareDevice,
@@ -37,15 +38,15 @@ from .._base.types import (
 from .._base.validate import check_int, check_options, check_type, describe
 from .._copies.dispatcher import CopyDispatcher
 from .._copies.future import CopyFuture
-from .._devices.device import EpDevice
-from .._devices.host import HOST_EP_NAME, HostFactory
-from .._external_data.loading import ExternalDataLoader, load_initializers
-from .._memory.allocator import Allocator
-from .._memory.transfer import TensorLike
-from .._streams.stream import SyncStream
-from .._streams.stream_impl import HostNotification
-from .._tensors.ownership import Scope
-from .._tensors.tensor import Tensor
+from .._plugin.allocator import Allocator
+from .._plugin.device import EpDevice
+from .._plugin.ownership import Scope
+from .._plugin.stream import SyncStream
+from .._plugin.stream_impl import HostNotification
+from .._plugin.tensor import Tensor
+from .._plugin.transfer import TensorLike
+from .._session.initializers import ExternalDataLoader, load_initializers
+from .host import HostFactory
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .report import CloseReport
 from .shared_allocators import SharedAllocators
@@ -576,7 +577,7 @@ class Environment(AsyncResource):
     ) -> dict[str, Tensor]:
         """Load a model's initializers onto ``ep_device`` (external data straight to the device).
 
-        See [`load_initializers`][aioep._external_data.loading.load_initializers] (the External
+        See [`load_initializers`][aioep._session.initializers.load_initializers] (the External
         data reference) for ``options``.
         """
         self._check_open()

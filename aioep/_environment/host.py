@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,21 +15,28 @@ import numpy as np
 
 from .._base.errors import DeviceError, InvalidArgument
 from .._base.options import parse_int_option, reject_unknown_options
-from .._base.types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
-from .._interop.importer import HostMemoryImporter, MemoryImporter
-from .._memory.allocator import Allocator
-from .._memory.transfer import CopyPair, DataTransfer
-from .._streams.stream_impl import StreamImpl, ThreadStream
-from .._tensors.tensor import HOST_MEMORY_INFO, Buffer
-from .device import EpDevice
-from .factory import EpFactory, FactoryOptions
+from .._base.types import (
+    HOST_EP_NAME,
+    DeviceType,
+    HardwareDevice,
+    MemoryDevice,
+    MemoryInfo,
+    MemoryType,
+)
+from .._copies.workers import COPY_THREAD_NICE, lower_thread_priority
+from .._plugin.allocator import Allocator
+from .._plugin.device import EpDevice
+from .._plugin.factory import EpFactory, FactoryOptions
+from .._plugin.importer import HostMemoryImporter, MemoryImporter
+from .._plugin.stream_impl import StreamImpl, ThreadStream
+from .._plugin.tensor import HOST_MEMORY_INFO, Buffer
+from .._plugin.transfer import CopyPair, DataTransfer
 
 if TYPE_CHECKING:
-    from .._streams.stream import SyncStream
+    from .._plugin.stream import SyncStream
 
 __all__ = ["HostAllocator", "HostDataTransfer", "HostFactory", "host_hardware_device"]
 
-HOST_EP_NAME = "host"
 _CPU_VENDORS = {"GenuineIntel": (0x8086, "Intel"), "AuthenticAMD": (0x1022, "AMD")}
 
 
@@ -107,22 +113,8 @@ long as it wants (on the loop thread, an inline copy would then wait for it)."""
 SMALL_COPY_BYTES = 64 << 10
 """Copies up to this size keep the GIL (``small_memmove``); larger ones release it."""
 
-COPY_THREAD_NICE = 5
-"""Niceness of aioep's copy worker threads (Linux): when the event loop's thread wakes up
-it gets a core at once instead of waiting for a copying thread's time slice."""
 MAX_COPY_THREADS = 1024
 """The most ``copy_threads`` the host backend accepts."""
-
-
-def lower_thread_priority(nice: int = COPY_THREAD_NICE) -> None:
-    """Lower the calling thread's CPU priority by ``nice`` (Linux only; best effort)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except (OSError, AttributeError):
-        pass
 
 
 class HostDataTransfer(DataTransfer):

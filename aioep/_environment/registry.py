@@ -24,15 +24,22 @@ from .._base.errors import (
     NotImplementedByEp,
     translate_backend_error,
 )
-from .._base.types import DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
-from .._devices.device import EpDevice
-from .._devices.factory import EpFactory
-from .._devices.host import HOST_EP_NAME, host_hardware_device
-from .._external_data.loading import ExternalDataLoader
-from .._memory.allocator import Allocator
-from .._memory.transfer import DataTransfer
-from .._streams.stream import SyncStream
-from .._streams.stream_impl import HostNotification, StreamImpl
+from .._base.types import (
+    HOST_EP_NAME,
+    DeviceType,
+    HardwareDevice,
+    MemoryDevice,
+    MemoryInfo,
+    MemoryType,
+)
+from .._plugin.allocator import Allocator
+from .._plugin.device import EpDevice
+from .._plugin.factory import EpFactory
+from .._plugin.stream import SyncStream
+from .._plugin.stream_impl import HostNotification, StreamImpl
+from .._plugin.transfer import DataTransfer
+from .._session.initializers import ExternalDataLoader
+from .host import host_hardware_device
 from .report import LiveBuffers
 from .stream_pool import PooledStream, Reservation, StreamRing
 

@@ -11,15 +11,21 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
-from .._base.types import AllocatorType, DeviceType, MemoryDevice, MemoryInfo, MemoryType
-from .._devices.host import HOST_EP_NAME
-from .._memory.allocator import Allocator
-from .._tensors.ownership import Origin, Scope
-from .._tensors.tensor import Tensor, tensor_layout, tensor_over
+from .._base.types import (
+    HOST_EP_NAME,
+    AllocatorType,
+    DeviceType,
+    MemoryDevice,
+    MemoryInfo,
+    MemoryType,
+)
+from .._plugin.allocator import Allocator
+from .._plugin.ownership import Origin, Scope
+from .._plugin.tensor import Tensor, tensor_layout, tensor_over
 
 if TYPE_CHECKING:
-    from .._devices.device import EpDevice
-    from .._streams.stream import SyncStream
+    from .._plugin.device import EpDevice
+    from .._plugin.stream import SyncStream
     from .registry import Library
 
 __all__ = ["SharedAllocators", "make_allocator"]

@@ -1,9 +1,9 @@
-"""Memory: allocators, arenas and the data transfers that move bytes between devices.
+"""Where memory comes from: the arena, and other libraries' arrays.
 
-``allocator`` (`Allocator`), ``transfer``
-(`DataTransfer` and the copy plan), ``arena`` (`ArenaAllocator`,
-ORT's BFC arena with stream-aware reuse) over ``arena_pool``, ``arena_regions``,
-``arena_config`` and ``bfc`` (the best-fit coalescing core: no streams, no locks).
+``arena`` (`ArenaAllocator`, ORT's BFC arena with stream-aware reuse) over ``arena_pool``,
+``arena_regions``, ``arena_config`` and ``bfc`` (the best-fit coalescing core: no streams,
+no locks); ``dlpack`` (the DLPack structures: reading capsules, making them) and ``foreign``
+(DLPack and CUDA Array Interface objects wrapped zero-copy, with the ownership rule).
 
-Imports ``_base``, ``_tensors`` and ``_streams``.
+Imports ``_base``, ``_graph`` and ``_plugin``.
 """

@@ -43,9 +43,9 @@ import threading
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
-from .._streams.stream import SyncStream
-from .._tensors.tensor import Buffer
-from .allocator import Allocator, check_nbytes, check_stream
+from .._plugin.allocator import Allocator, check_nbytes, check_stream
+from .._plugin.stream import SyncStream
+from .._plugin.tensor import Buffer
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from .arena_regions import RegionReturns, free_handles

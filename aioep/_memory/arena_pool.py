@@ -40,8 +40,8 @@ from .arena_regions import RegionReturns, RegionSizer, free_handles
 from .bfc import BfcCore, Chunk, Region
 
 if TYPE_CHECKING:
-    from .._streams.stream import SyncStream
-    from .allocator import Allocator
+    from .._plugin.allocator import Allocator
+    from .._plugin.stream import SyncStream
 
 __all__ = ["LARGE", "MAX_PARKED", "PARK_MAX", "SMALL", "StreamPool", "idle", "usable"]
 

@@ -7,13 +7,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._streams.notification import wait_blocking
+from .._plugin.notification import wait_blocking
 from .arena_config import ArenaConfig, ArenaExtendStrategy
 from .bfc import Region
 
 if TYPE_CHECKING:
-    from .._streams.notification import Notification
-    from .._tensors.tensor import Buffer
+    from .._plugin.notification import Notification
+    from .._plugin.tensor import Buffer
 
 __all__ = ["RegionReturns", "RegionSizer"]
 

@@ -17,15 +17,15 @@ exception aside as the C destructors of numpy, PyTorch and pyarrow do.
 from __future__ import annotations
 
 import ctypes
-import enum
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .._tensors.exports import ExportedMemory, live_exports, note_handed_out
-from .._tensors.tensor import Buffer, Tensor
+from .._base.codes import DLDeviceType
+from .._plugin.exports import ExportedMemory, live_exports, note_handed_out
+from .._plugin.tensor import Buffer, Tensor
 
 __all__ = [
     "DLDataType",
@@ -44,28 +44,6 @@ __all__ = [
     "numpy_dtype_bits",
     "read_capsule",
 ]
-
-
-class DLDeviceType(enum.IntEnum):
-    """DLPack device type codes (``DLDeviceType`` in ``dlpack.h``), as ``__dlpack_device__``
-    reports them."""
-
-    CPU = 1
-    CUDA = 2
-    CUDA_HOST = 3
-    OPENCL = 4
-    VULKAN = 7
-    METAL = 8
-    VPI = 9
-    ROCM = 10
-    ROCM_HOST = 11
-    EXT_DEV = 12
-    """Reserved for extension devices; what aioep's own non-CUDA device tensors report."""
-    CUDA_MANAGED = 13
-    ONE_API = 14
-    WEBGPU = 15
-    HEXAGON = 16
-    MAIA = 17
 
 
 class DLDevice(ctypes.Structure):

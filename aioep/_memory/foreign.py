@@ -21,11 +21,12 @@ import numpy as np
 
 from .._base.errors import InvalidArgument
 from .._base.validate import describe
-from .._streams.notification import Notification
-from .._streams.stream import SyncStream
-from .._streams.stream_impl import NotificationImpl, StreamImpl
-from .._tensors.exports import handed_out
-from .._tensors.tensor import HOST_MEMORY_INFO, Buffer, ImportedBuffer, Tensor
+from .._plugin.exports import handed_out
+from .._plugin.importer import MemoryImporter
+from .._plugin.notification import Notification
+from .._plugin.stream import SyncStream
+from .._plugin.stream_impl import NotificationImpl, StreamImpl
+from .._plugin.tensor import HOST_MEMORY_INFO, Buffer, ImportedBuffer, Tensor
 from .dlpack import (
     MAX_VERSION,
     DLDeviceType,
@@ -34,11 +35,10 @@ from .dlpack import (
     numpy_dtype_bits,
     read_capsule,
 )
-from .importer import MemoryImporter
 
 if TYPE_CHECKING:
-    from .._devices.factory import EpFactory
     from .._environment.environment import Environment
+    from .._plugin.factory import EpFactory
 
 __all__ = [
     "as_tensor",
@@ -49,7 +49,6 @@ __all__ = [
     "is_foreign",
 ]
 
-_DL_CPU = int(DLDeviceType.CPU)
 _NUMPY_READS_FLAGS = int(np.__version__.split(".")[0]) >= 2
 """numpy >= 2 reads DLPack's read-only flag; numpy 1.x marks every import read-only (and
 cannot read a versioned capsule), so there aioep reads the capsule itself."""
@@ -109,7 +108,7 @@ def import_copy_args(
                 # per-call overhead of every such copy.
                 try:
                     device = v.__dlpack_device__()
-                    host = int(device[0]) == _DL_CPU
+                    host = int(device[0]) == DLDeviceType.CPU
                 except Exception:
                     host = False  # as_tensor reports it
                 if host:
@@ -233,7 +232,7 @@ def _from_dlpack(
         raise InvalidArgument(
             f"{role}: {type(value).__name__}.__dlpack_device__() failed: {exc}"
         ) from exc
-    if device_type == _DL_CPU:
+    if device_type == DLDeviceType.CPU:
         # Host RAM: the built-in host device owns it (its importer says HOST_MEMORY_INFO).
         return _from_host_dlpack(value, role, None, writable), None
     name = type(value).__name__
@@ -378,7 +377,7 @@ class _HostCapsuleArray:
             capsule = value.__dlpack__(stream=None)
         view = read_capsule(capsule)
         self._finalizer = weakref.finalize(self, view.release)
-        if view.device_type != _DL_CPU:
+        if view.device_type != DLDeviceType.CPU:
             self._finalizer()
             raise BufferError(
                 f"the capsule is on DLPack device type {view.device_type}, not kDLCPU"

@@ -1,10 +1,20 @@
-"""Streams and notifications, and how a waiting task is woken.
+"""The plugin contract, and the objects that cross it.
 
-``stream`` (`SyncStream`), ``notification`` (`Notification`),
-``stream_impl`` (what a backend implements: ORT's ``OrtSyncStreamImpl`` and
-``OrtSyncNotificationImpl``, and `ThreadStream`), ``wake`` (the one
-event-loop-specific piece: wake a task from any thread) and ``routes`` (which data transfer
-copies between two memory devices, cached per stream).
+What a backend implements, as ORT's plugin EP API names it: ``factory`` (`EpFactory`,
+``OrtEpFactory``), ``allocator`` (`Allocator`, ``OrtAllocator``, and `Buffer`, the memory it
+hands out: they name each other, as cuda.core keeps ``Buffer`` beside its memory resource),
+``transfer`` (`DataTransfer`, ``OrtDataTransferImpl``), ``stream_impl`` (`StreamImpl` and
+`NotificationImpl`, ``OrtSyncStreamImpl`` and ``OrtSyncNotificationImpl``, and
+`ThreadStream`, a stream on a worker thread), ``ep`` (`Ep`, ``OrtEp``), ``loader``
+(`ExternalDataLoader`) and ``importer`` (`MemoryImporter`). The objects those pass:
+``device`` (`EpDevice`), ``stream`` (`SyncStream`), ``notification`` (`Notification`),
+``tensor`` (`Tensor`), ``exports`` (DLPack exports that hold a buffer), ``ownership``
+(which environment and library made a tensor), ``routes`` (which transfer copies between
+two memory devices, cached per stream) and ``wake`` (waking a task's event loop from any
+thread). `aioep.abc` re-exports the contract from here.
 
-Imports only ``_base`` at run time.
+Imports ``_base`` and ``_graph``. The contract's types name each other in a ring (a stream
+its device, a device its factory, a factory what it makes), so its modules may import each
+other (pyproject.toml's no-cycles contract skips this package); nothing here imports a layer
+above.
 """

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo
 from .._base.validate import MAX_DIM
-from .._streams.stream import SyncStream
-from .._tensors.tensor import Buffer
+from .stream import SyncStream
+from .tensor import Buffer
 
 if TYPE_CHECKING:
-    from .._tensors.ownership import Origin
+    from .ownership import Origin
 
 __all__ = ["Allocator", "check_nbytes", "check_stream"]
 

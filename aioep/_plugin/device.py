@@ -13,8 +13,8 @@ from .._base.validate import check_options, check_type
 
 if TYPE_CHECKING:
     from .._environment.environment import Environment
-    from .._streams.stream import SyncStream
     from .factory import EpFactory
+    from .stream import SyncStream
 
 __all__ = ["EpDevice"]
 

@@ -35,13 +35,13 @@ import numpy.typing as npt
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo, MemoryType
-from .._tensors.tensor import Tensor
+from .tensor import Tensor
 
 if TYPE_CHECKING:
-    from .._devices.device import EpDevice
     from .._environment.environment import Environment
     from .._graph.graph import GraphView, Node
-    from .._streams.stream import SyncStream
+    from .device import EpDevice
+    from .stream import SyncStream
 
 __all__ = ["CompiledNode", "Ep", "FusedGroup", "IndexedSubGraph", "MetaDef"]
 

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.errors import NotImplementedByEp
 from .._base.types import HardwareDevice, MemoryDevice, MemoryInfo
-from .._memory.allocator import Allocator
-from .._memory.transfer import DataTransfer
-from .._streams.stream_impl import StreamImpl
+from .allocator import Allocator
+from .stream_impl import StreamImpl
+from .transfer import DataTransfer
 
 if TYPE_CHECKING:
-    from .._external_data.loader import ExternalDataLoader
-    from .._interop.importer import MemoryImporter
-    from .._session.ep import Ep
     from .device import EpDevice
+    from .ep import Ep
+    from .importer import MemoryImporter
+    from .loader import ExternalDataLoader
 
 __all__ = ["EpFactory", "FactoryOptions"]
 

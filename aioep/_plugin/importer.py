@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._base.codes import DLDeviceType
 from .._base.types import MemoryInfo
-from .._streams.stream_impl import NotificationImpl, StreamImpl
-from .._tensors.tensor import HOST_MEMORY_INFO
-from .dlpack import DLDeviceType
+from .stream_impl import NotificationImpl, StreamImpl
+from .tensor import HOST_MEMORY_INFO
 
 __all__ = ["HostMemoryImporter", "MemoryImporter"]
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .._base.types import MemoryInfo
-    from .._streams.stream import SyncStream
-    from .._tensors.tensor import Tensor
+    from .stream import SyncStream
+    from .tensor import Tensor
 
 __all__ = ["ExternalDataLoader"]
 

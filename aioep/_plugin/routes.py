@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .._base.types import MemoryDevice
-    from .._memory.transfer import DataTransfer
+    from .transfer import DataTransfer
 
 __all__ = ["Route", "RouteCache", "RouteKey"]
 

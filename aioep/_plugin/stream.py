@@ -16,7 +16,7 @@ from .stream_impl import StreamImpl
 from .wake import checkpoint
 
 if TYPE_CHECKING:
-    from .._devices.device import EpDevice
+    from .device import EpDevice
 
 __all__ = ["SyncStream"]
 

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .._base.codes import NVIDIA_VENDOR_ID, DLDeviceType
 from .._base.errors import InUseError, InvalidArgument
 from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
 from .._base.validate import MAX_DIM, check_dtype, check_int, describe
 from .exports import ExportedMemory, _holds, free_deferred, note_handed_out, request_free
 
 if TYPE_CHECKING:
-    from .._memory.allocator import Allocator
+    from .allocator import Allocator
 
 __all__ = [
     "HOST_MEMORY_INFO",
@@ -31,9 +32,12 @@ HOST_MEMORY_INFO = MemoryInfo("Cpu", HOST_MEMORY_DEVICE, alignment=64)
 """Host RAM (``"Cpu"``, 64-byte aligned): the DEFAULT memory of the host device and of
 tensors wrapped from numpy arrays."""
 
-# DLPack device type codes (dlpack.h): what __dlpack_device__ reports.
-_DL_CPU, _DL_CUDA, _DL_EXT_DEV = 1, 2, 12
-NVIDIA_VENDOR_ID = 0x10DE
+# What __dlpack_device__ reports: plain ints, as the protocol's tuples hold.
+_DL_CPU, _DL_CUDA, _DL_EXT_DEV = (
+    int(DLDeviceType.CPU),
+    int(DLDeviceType.CUDA),
+    int(DLDeviceType.EXT_DEV),
+)
 _MAX_PTR = (1 << 64) - 1
 _PIN_LOCK = threading.Lock()  # guards every buffer's pin count (held for an increment)
 

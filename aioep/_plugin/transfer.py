@@ -14,10 +14,10 @@ import numpy.typing as npt
 from .._base.errors import InvalidArgument, NotImplementedByEp
 from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import MemoryDevice
-from .._streams.routes import Route, RouteCache, RouteKey
-from .._streams.stream_impl import NotificationImpl, StreamImpl
-from .._tensors.ownership import Scope, check_owner
-from .._tensors.tensor import Tensor, as_tensor
+from .ownership import Scope, check_owner
+from .routes import Route, RouteCache, RouteKey
+from .stream_impl import NotificationImpl, StreamImpl
+from .tensor import Tensor, as_tensor
 
 __all__ = ["CopyPlan", "DataTransfer", "plan_copies"]
 
@@ -179,7 +179,7 @@ def plan_copies(
     non-contiguous source array gets an empty contiguous staging array, filled by
     `CopyPlan.pack` where the copy runs (off the loop), instead of being
     packed here. With ``scope`` (the environment's), device tensors of another
-    environment are refused (see `aioep._tensors.ownership.check_owner`).
+    environment are refused (see `aioep._plugin.ownership.check_owner`).
     """
     _check_sequence("src", src)
     _check_sequence("dst", dst)

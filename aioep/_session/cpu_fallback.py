@@ -13,7 +13,7 @@ import numpy as np
 from .._base.errors import DeviceError, EpError, import_optional
 from .._graph.onnx_models import whole_model_source
 from .._graph.ort_compat import ir_version_for_ort
-from .._tensors.tensor import Tensor
+from .._plugin.tensor import Tensor
 from .values import contiguous
 
 if TYPE_CHECKING:

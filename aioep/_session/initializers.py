@@ -5,7 +5,7 @@ A factory offers a loader through ``create_external_data_loader()``; the
 environment picks the first registered one whose ``can_load`` accepts the
 destination's memory info. Devices whose factory offers none use the built-in
 [`ChunkedExternalDataLoader`][aioep.abc.ChunkedExternalDataLoader]. Every initializer is
-validated (see `aioep._external_data.info`) before anything is allocated.
+validated (see `aioep._session.external_data`) before anything is allocated.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import anyio.to_thread
 from .._base.errors import DeviceError, EpError, InUseError, InvalidArgument, NotImplementedByEp
 from .._base.progress import ProgressBar, wants_bar
 from .._base.types import MemoryInfo, MemoryType
-from .._devices.device import EpDevice
-from .._streams.stream import SyncStream
-from .chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
-from .info import InitializerSpec, read_initializers
-from .loader import ExternalDataLoader
+from .._copies.chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
+from .._plugin.device import EpDevice
+from .._plugin.loader import ExternalDataLoader
+from .._plugin.stream import SyncStream
+from .external_data import InitializerSpec, read_initializers
 
 if TYPE_CHECKING:
     from .._environment.environment import Environment
-    from .._tensors.tensor import Tensor
+    from .._plugin.tensor import Tensor
 
 __all__ = ["ExternalDataLoader", "load_initializers"]
 

@@ -13,17 +13,17 @@ import numpy.typing as npt
 from .._base.errors import InvalidArgument
 from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import HOST_MEMORY_DEVICE, MemoryDevice, MemoryInfo
-from .._interop.foreign import import_value, is_foreign
-from .._streams.notification import Notification
-from .._tensors.ownership import check_owner
-from .._tensors.tensor import Tensor
+from .._memory.foreign import import_value, is_foreign
+from .._plugin.notification import Notification
+from .._plugin.ownership import check_owner
+from .._plugin.tensor import Tensor
 from .values import InputSpec, check_type, same_memory
 
 if TYPE_CHECKING:
     from .._environment.environment import Environment
     from .._graph.graph import ValueInfo
-    from .._streams.stream import SyncStream
-    from .._streams.stream_impl import NotificationImpl
+    from .._plugin.stream import SyncStream
+    from .._plugin.stream_impl import NotificationImpl
 
 __all__ = ["IOBinding", "place_bound_outputs"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .._base.errors import InvalidArgument
 from .._graph.graph import GraphView
 from .._graph.order import grouped_runs
-from .ep import Ep, IndexedSubGraph, MetaDef
+from .._plugin.ep import Ep, IndexedSubGraph, MetaDef
 
 _log = logging.getLogger("aioep")
 

@@ -19,9 +19,9 @@ import numpy.typing as npt
 from .._base.errors import InvalidArgument
 from .._base.progress import ProgressBar
 from .._base.types import DeviceType, MemoryDevice, MemoryInfo
-from .._tensors.tensor import HOST_MEMORY_INFO, Tensor
+from .._plugin.ep import CompiledNode, Ep, FusedGroup
+from .._plugin.tensor import HOST_MEMORY_INFO, Tensor
 from .cpu_fallback import load_parts, use_whole
-from .ep import CompiledNode, Ep, FusedGroup
 from .partition import Partition, assignment_of, partition_graph
 from .values import InputSpec, contiguous, input_specs, same_memory
 from .workers import Workers, wait_future
@@ -29,7 +29,7 @@ from .workers import Workers, wait_future
 if TYPE_CHECKING:
     from .._environment.environment import Environment
     from .._graph.graph import GraphView
-    from .._streams.stream import SyncStream
+    from .._plugin.stream import SyncStream
 
 __all__ = ["CopyPoint", "PlanStep", "SessionPlan"]
 

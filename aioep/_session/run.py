@@ -20,9 +20,9 @@ import numpy as np
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.types import DeviceType, MemoryDevice
-from .._interop.foreign import import_feeds
-from .._streams.stream import SyncStream
-from .._tensors.tensor import Tensor
+from .._memory.foreign import import_feeds
+from .._plugin.stream import SyncStream
+from .._plugin.tensor import Tensor
 from .cpu_fallback import from_ort, run_ort, to_ort
 from .values import (
     HostArray,
@@ -39,8 +39,8 @@ from .values import (
 
 if TYPE_CHECKING:
     from .._environment.environment import Environment
-    from .._streams.notification import Notification
-    from .ep import Ep
+    from .._plugin.ep import Ep
+    from .._plugin.notification import Notification
     from .plan import PlanStep, SessionPlan
     from .workers import Workers
 

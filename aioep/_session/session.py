@@ -23,18 +23,17 @@ from anyio.abc import AsyncResource
 
 from .._base.errors import ClosedError, EpError, InvalidArgument
 from .._base.progress import wants_bar
-from .._base.types import MemoryDevice
+from .._base.types import HOST_EP_NAME, MemoryDevice
 from .._base.validate import check_int, check_options, describe
-from .._devices.device import EpDevice
-from .._devices.host import HOST_EP_NAME
 from .._environment.environment import set_session_factory
-from .._external_data.info import check_external_data
 from .._graph.graph import GraphView
 from .._graph.ort_compat import check_opsets
-from .._streams.stream import SyncStream
-from .._tensors.tensor import Tensor
+from .._plugin.device import EpDevice
+from .._plugin.ep import Ep
+from .._plugin.stream import SyncStream
+from .._plugin.tensor import Tensor
 from .cpu_fallback import load_whole
-from .ep import Ep
+from .external_data import check_external_data
 from .io_binding import IOBinding, place_bound_outputs
 from .node_arg import NodeArg, node_args, ort_node_args
 from .partition import CPU_EP_NAME

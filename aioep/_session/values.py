@@ -15,13 +15,13 @@ from .._base.protocols import SupportsCudaArrayInterface, SupportsDLPack
 from .._base.types import DeviceType, MemoryDevice
 from .._base.validate import describe
 from .._graph.types import ValueInfo
-from .._tensors.ownership import Scope, check_owner
-from .._tensors.tensor import Tensor
+from .._plugin.ownership import Scope, check_owner
+from .._plugin.tensor import Tensor
 
 if TYPE_CHECKING:
     from .._graph.graph import GraphView
-    from .._streams.notification import Notification
-    from .._streams.stream import SyncStream
+    from .._plugin.notification import Notification
+    from .._plugin.stream import SyncStream
 
 __all__ = [
     "HostArray",

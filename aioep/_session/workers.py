@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from .._streams.wake import wait_for
+from .._plugin.wake import wait_for
 
 __all__ = ["Workers", "wait_future"]
 

@@ -49,10 +49,10 @@ import numpy.typing as npt
 
 from .._base.errors import InvalidArgument
 from .._base.types import DeviceType, MemoryType
-from .._devices.device import EpDevice
 from .._environment.environment import Environment
-from .._streams.stream import SyncStream
-from .._tensors.tensor import Tensor
+from .._plugin.device import EpDevice
+from .._plugin.stream import SyncStream
+from .._plugin.tensor import Tensor
 
 if TYPE_CHECKING:
     import pyperf

@@ -30,10 +30,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._base.errors import ClosedError, EpError, InvalidArgument, NotImplementedByEp
-from .._devices.device import EpDevice
 from .._environment.environment import Environment
+from .._plugin.device import EpDevice
+from .._plugin.tensor import Tensor
 from .._session.session import Session
-from .._tensors.tensor import Tensor
 
 try:
     import onnx

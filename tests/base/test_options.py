@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import aioep
 from aioep._base.validate import check_timeout
-from aioep._devices.host import HostFactory
+from aioep._environment.host import HostFactory
 from aioep.abc import (
     parse_bool_option,
     parse_choice_option,

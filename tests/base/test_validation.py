@@ -38,7 +38,7 @@ from aioep import (
     NoSuchFile,
 )
 from aioep._base.types import HOST_MEMORY_DEVICE
-from aioep._tensors.tensor import HOST_MEMORY_INFO
+from aioep._plugin.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 
@@ -275,14 +275,14 @@ CASES: dict[str, tuple[Case, type[EpError], str]] = {
     ),
     "host copy_threads str": (
         lambda c: c.env.register_library(
-            "h2", "aioep._devices.host:HostFactory", {"copy_threads": "x"}
+            "h2", "aioep._environment.host:HostFactory", {"copy_threads": "x"}
         ),
         InvalidArgument,
         "copy_threads",
     ),
     "host copy_threads 0": (
         lambda c: c.env.register_library(
-            "h2", "aioep._devices.host:HostFactory", {"copy_threads": 0}
+            "h2", "aioep._environment.host:HostFactory", {"copy_threads": 0}
         ),
         InvalidArgument,
         "copy_threads",

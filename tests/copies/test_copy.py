@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aioep
-from aioep._tensors.tensor import HOST_MEMORY_INFO
+from aioep._plugin.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 
@@ -129,7 +129,7 @@ async def test_destination_overlapping_a_source() -> None:
 
 
 async def test_strided_sources_are_packed_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aioep._memory.transfer import PACK_INLINE_BYTES, CopyPlan
+    from aioep._plugin.transfer import PACK_INLINE_BYTES, CopyPlan
 
     packed_on: list[int] = []
     real_pack = CopyPlan.pack
@@ -305,16 +305,16 @@ def test_host_copies_bit_exact(dtype: Any, sizes: list[int], seed: int) -> None:
 
 
 async def test_large_parallel_copy_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aioep._devices.host
+    import aioep._environment.host
 
     copied_on: set[int] = set()
-    real_memmove = aioep._devices.host._memmove
+    real_memmove = aioep._environment.host._memmove
 
     def memmove(dst: int, src: int, n: int) -> None:
         copied_on.add(threading.get_ident())
         real_memmove(dst, src, n)
 
-    monkeypatch.setattr(aioep._devices.host, "_memmove", memmove)
+    monkeypatch.setattr(aioep._environment.host, "_memmove", memmove)
     async with aioep.Environment(autoload=False) as env:
         n = (24 << 20) + 4099  # several threads' worth, not a multiple of the split
         src = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)

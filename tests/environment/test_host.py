@@ -11,14 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aioep
-from aioep._devices.host import (
+from aioep._environment.host import (
     HostAllocator,
     HostDataTransfer,
     HostFactory,
     _split,
     host_hardware_device,
 )
-from aioep._tensors.tensor import HOST_MEMORY_INFO
+from aioep._plugin.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 
@@ -148,7 +148,7 @@ def test_split_covers_every_byte_once(sizes: list[int], parts: int) -> None:
 def test_parallel_copy_uses_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import aioep._devices.host as host
+    import aioep._environment.host as host
 
     threads: set[str] = set()
     sizes: list[int] = []

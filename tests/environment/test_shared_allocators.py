@@ -23,9 +23,9 @@ from aioep import (
     MemoryType,
 )
 from aioep._base.types import HOST_MEMORY_DEVICE
-from aioep._devices.factory import FactoryOptions
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator
+from aioep._plugin.factory import FactoryOptions
 
 pytestmark = pytest.mark.anyio
 

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 import aioep
 from aioep import AllocatorType, DeviceError, InvalidArgument, MemoryType
-from aioep._devices.host import HostAllocator, HostFactory
+from aioep._environment.host import HostAllocator, HostFactory
 from aioep._memory.arena import SIZE_MAX, ArenaAllocator, ArenaConfig, ArenaExtendStrategy
 from aioep._memory.arena_pool import MAX_PARKED, PARK_MAX
-from aioep._streams.stream import SyncStream
-from aioep._streams.stream_impl import HostNotification, NotificationImpl, StreamImpl
+from aioep._plugin.stream import SyncStream
+from aioep._plugin.stream_impl import HostNotification, NotificationImpl, StreamImpl
 
 MiB = 1 << 20
 ORT_STATS = (

@@ -14,7 +14,7 @@ from test_arena import check_invariants, check_pool_index
 from test_arena_pools import _SlowBase
 
 import aioep._memory.arena as arena_module
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig, ArenaExtendStrategy
 from aioep._memory.arena_pool import PARK_MAX, StreamPool
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from test_arena import _MockStream, mock_stream
 
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig, ArenaExtendStrategy
 from aioep._memory.arena_pool import PARK_MAX, StreamPool
-from aioep._streams.stream import SyncStream
+from aioep._plugin.stream import SyncStream
 
 MiB = 1 << 20
 

@@ -26,7 +26,7 @@ from _factories import MakeEnv
 
 import aioep
 from aioep import InvalidArgument, MemoryType
-from aioep._interop.dlpack import (
+from aioep._memory.dlpack import (
     DLDataType,
     DLDevice,
     DLManagedTensor,

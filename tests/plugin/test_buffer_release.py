@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import aioep
-from aioep._devices.host import HostAllocator
+from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator
-from aioep._tensors.tensor import HOST_MEMORY_INFO
+from aioep._plugin.tensor import HOST_MEMORY_INFO
 
 
 class _Counter:
@@ -165,9 +165,9 @@ def test_exiting_with_live_buffers_is_quiet() -> None:
         import sys
 
         import aioep
-        from aioep._devices.host import HostAllocator
+        from aioep._environment.host import HostAllocator
         from aioep._memory.arena import ArenaAllocator
-        from aioep._tensors.tensor import HOST_MEMORY_INFO
+        from aioep._plugin.tensor import HOST_MEMORY_INFO
 
         def release(finalizing=sys.is_finalizing):  # a backend torn down at exit
             if finalizing():

@@ -563,7 +563,7 @@ async def test_aclose_waits_for_work_enqueued_meanwhile_before_releasing(make_en
 async def test_strided_sources_are_packed_on_the_stream_in_order(
     make_env: MakeEnv, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aioep._memory.transfer import PACK_INLINE_BYTES, CopyPlan
+    from aioep._plugin.transfer import PACK_INLINE_BYTES, CopyPlan
 
     packed_on: list[int] = []
     real_pack = CopyPlan.pack

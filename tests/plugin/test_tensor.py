@@ -12,7 +12,7 @@ import pytest
 from _factories import FAKE_INFO, FakeGpuFactory
 
 import aioep
-from aioep._tensors.tensor import HOST_MEMORY_INFO
+from aioep._plugin.tensor import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import aioep
-from aioep._external_data.chunked_loader import ChunkedExternalDataLoader
-from aioep._external_data.info import resolve_location
-from aioep._external_data.loading import ExternalDataLoader
+from aioep._copies.chunked_loader import ChunkedExternalDataLoader
+from aioep._session.external_data import resolve_location
+from aioep._session.initializers import ExternalDataLoader
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
@@ -772,7 +772,7 @@ async def test_a_model_as_bytes_or_proto_finds_external_data_in_the_folder_given
 
 
 def test_check_external_data_sizes_packed_types(tmp_path: Path) -> None:
-    from aioep._external_data.info import check_external_data
+    from aioep._session.external_data import check_external_data
 
     (tmp_path / "d.bin").write_bytes(b"\x12" * 3)
     tensor = TensorProto(name="q", data_type=TensorProto.INT4, dims=[5])  # 5 nibbles: 3 bytes

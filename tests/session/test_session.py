@@ -23,11 +23,11 @@ from onnx import helper as h  # noqa: E402
 import aioep  # noqa: E402
 import aioep._session.plan  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
-from aioep._devices.host import HostAllocator  # noqa: E402
+from aioep._environment.host import HostAllocator  # noqa: E402
 from aioep._graph.graph import GraphView  # noqa: E402
-from aioep._session.ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
+from aioep._plugin.ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
+from aioep._plugin.tensor import HOST_MEMORY_INFO  # noqa: E402
 from aioep._session.plan import CopyPoint  # noqa: E402
-from aioep._tensors.tensor import HOST_MEMORY_INFO  # noqa: E402
 from aioep.abc import EpFactory, ThreadStream  # noqa: E402
 
 pytestmark = pytest.mark.anyio

@@ -53,9 +53,9 @@ async def main(model: bytes, stream: aioep.SyncStream) -> None:
         reveal_type(session)  # Session
         feeds = {"x": np.ones(4, np.float32)}
         outputs = await session.run(feeds)
-        reveal_type(outputs)  # dict[str, aioep._tensors.tensor.Tensor |
+        reveal_type(outputs)  # dict[str, aioep._plugin.tensor.Tensor |
         on_stream = await session.run(feeds, stream, output_location="host")
-        reveal_type(on_stream)  # dict[str, aioep._tensors.tensor.Tensor |
+        reveal_type(on_stream)  # dict[str, aioep._plugin.tensor.Tensor |
         arrays = await session.run(None, feeds)
         reveal_type(arrays)  # list[numpy.ndarray[
         named = await session.run(output_names=["y"], input_feed=feeds, run_options=None)
@@ -66,7 +66,7 @@ async def main(model: bytes, stream: aioep.SyncStream) -> None:
             print(y.numpy().sum())
         future = aioep.copy_tensors([TorchLikeTensor()], [np.empty(4, np.float32)])
         reveal_type(future)  # CopyFuture
-        reveal_type(await future)  # list[aioep._tensors.tensor.Tensor]
+        reveal_type(await future)  # list[aioep._plugin.tensor.Tensor]
         reveal_type(env.copy_tensors([CupyLikeArray()], [np.empty(4, np.float32)]))  # CopyFuture
         reveal_type(session.get_inputs())  # list[aioep._session.node_arg.NodeArg]
         reveal_type(session.get_outputs()[0].shape)  # list[int | str | None]

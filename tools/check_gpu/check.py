@@ -43,7 +43,7 @@ TESTS = (
     "tests/backends/cuda/test_cuda_api.py",
     "tests/backends/cuda/test_cuda_soak.py",
     "tests/backends/cuda/test_cuda_staging.py",
-    "tests/interop/test_foreign_tensors.py",
+    "tests/memory/test_foreign_tensors.py",
 )
 """The test files the check runs (paths in the checkout)."""
 
