@@ -100,24 +100,7 @@ def test_project_wide_tests_alone_sit_at_the_top_of_tests() -> None:
 # above hands in; ruff's TC004 keeps the name out of run-time code, so none is an import the
 # module needs when it runs (import-linter checks the run-time imports). A new one must be
 # added here, with its reason, or the import made to point down.
-TYPE_ONLY_UPWARD = {
-    ("_tensors.tensor", "_memory.allocator"): "a buffer names the allocator that made it",
-    ("_streams.routes", "_memory.transfer"): "a route caches the data transfer it found",
-    ("_streams.stream", "_devices.device"): "a stream names its device",
-    ("_devices.device", "_environment.environment"): "a device names the environment it is in",
-    ("_devices.factory", "_session.ep"): "create_ep's return type (the plugin contract)",
-    ("_devices.factory", "_external_data.loader"): "create_external_data_loader's return type",
-    ("_interop.foreign", "_devices.factory"): "importers are cached per factory",
-    ("_interop.foreign", "_environment.environment"): "imports for the environment passed in",
-    (
-        "_copies.dispatcher",
-        "_environment.registry",
-    ): "the dispatcher reads the registered libraries",
-    ("_external_data.loading", "_environment.environment"): "loads for the environment passed in",
-    ("_environment.environment", "_session.session"): "create_session's return type",
-    ("_external_data.chunked_loader", "_environment.environment"): "copies through the environment",
-    ("_external_data.chunked_loader", "_copies.future"): "the futures of its copies",
-}
+TYPE_ONLY_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def layer_ranks() -> dict[str, int]:

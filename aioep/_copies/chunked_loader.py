@@ -4,8 +4,8 @@ staging buffers, double-buffered against the copies to the device."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.to_thread
@@ -18,11 +18,13 @@ from .._plugin.loader import ExternalDataLoader
 from .._plugin.tensor import Tensor
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
+    from .._plugin.allocator import Allocator
+    from .._plugin.device import EpDevice
     from .._plugin.stream import SyncStream
+    from .._plugin.transfer import TensorLike
     from .future import CopyFuture
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedExternalDataLoader"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ChunkedExternalDataLoader", "LoaderHost"]
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """The built-in loader's read size (and staging buffer size): 16 MiB."""
@@ -58,6 +60,36 @@ def _read_exact(fd: int, view: npt.NDArray[np.uint8], position: int, path: str) 
         got += n
 
 
+class LoaderHost(Protocol):
+    """What the built-in loader needs of its environment (`aioep.Environment` satisfies
+    it): the devices (for their host-accessible staging memory), shared allocators and
+    tensors to stage in, whether a data transfer copies between two memories, and copies."""
+
+    def ep_devices(self) -> list[EpDevice]:
+        """Every EP device, in registration order."""
+        ...
+
+    def get_shared_allocator(self, memory_info: MemoryInfo) -> Allocator | None:
+        """The shared allocator for that memory, or None."""
+        ...
+
+    def empty(
+        self, shape: Sequence[int] | int, dtype: npt.DTypeLike, memory_info: MemoryInfo | None
+    ) -> Tensor:
+        """An uninitialised tensor from the shared allocator of ``memory_info``."""
+        ...
+
+    def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
+        """Whether a registered data transfer copies from ``src`` to ``dst`` memory."""
+        ...
+
+    def copy_tensors(
+        self, src: Sequence[TensorLike], dst: Sequence[TensorLike], stream: SyncStream | None
+    ) -> CopyFuture:
+        """Copy each ``src[i]`` into ``dst[i]``."""
+        ...
+
+
 class ChunkedExternalDataLoader(ExternalDataLoader):
     """The loader used when a device's factory offers none.
 
@@ -75,7 +107,7 @@ class ChunkedExternalDataLoader(ExternalDataLoader):
 
     def __init__(
         self,
-        env: Environment,
+        env: LoaderHost,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staging_buffers: int = 2,
@@ -97,7 +129,7 @@ class ChunkedExternalDataLoader(ExternalDataLoader):
             return True
         staging = self._staging_info(memory_info.device)
         source = staging.device if staging is not None else HOST_MEMORY_DEVICE
-        return any(t.can_copy(source, memory_info.device) for _, t in self._env._transfers)
+        return self._env.can_copy(source, memory_info.device)
 
     async def load_tensor(
         self,

@@ -13,16 +13,16 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._base.budget import InlineBudget
 from .._base.errors import InvalidArgument, translate_backend_error
-from .._base.types import HOST_EP_NAME, HOST_MEMORY_DEVICE
-from .._memory.foreign import import_copy_args, importers_of
+from .._base.types import HOST_EP_NAME, HOST_MEMORY_DEVICE, MemoryDevice
+from .._memory.foreign import import_copy_args
 from .._plugin.importer import MemoryImporter
 from .._plugin.notification import Notification, wait_blocking
 from .._plugin.ownership import Scope, owned_by
@@ -34,10 +34,7 @@ from .._plugin.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, pla
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers, lower_thread_priority
 
-if TYPE_CHECKING:
-    from .._environment.registry import Library
-
-__all__ = ["CopyDispatcher"]
+__all__ = ["CopyDispatcher", "CopyLibraries"]
 
 _FAST_PATH_MAX_PAIRS = 4
 _HOST_ROUTE: Hashable = "host->host"
@@ -45,12 +42,31 @@ _HOST_ROUTE: Hashable = "host->host"
 route, a pair of memory devices; a string hashes without a call into Python)."""
 
 
+class CopyLibraries(Protocol):
+    """What the dispatcher needs of the libraries it copies between (the environment's
+    library registry provides it)."""
+
+    @property
+    def transfers(self) -> list[tuple[str, DataTransfer]]:
+        """(library name, data transfer) in registration order; changed in place only, so
+        the dispatcher holds the list and reads it on every call."""
+        ...
+
+    def stream_library(self, stream: SyncStream) -> str | None:
+        """The name of the library whose device ``stream`` runs on, or None."""
+        ...
+
+    def importers(self) -> list[MemoryImporter]:
+        """The registered libraries' memory importers (for foreign tensors)."""
+        ...
+
+
 class CopyDispatcher:
     """Runs an environment's ``copy_tensors`` calls and tracks the batches in flight.
 
-    ``transfers`` and ``libraries`` are the registry's own (library name, transfer)
-    list and name -> library map, which it changes in place: the dispatcher reads
-    them on every call. ``budget`` decides which copies run inline (see
+    ``libraries`` gives the registered data transfers (the registry's own list, which it
+    changes in place: the dispatcher reads it on every call), the library a stream belongs
+    to and the memory importers. ``budget`` decides which copies run inline (see
     `InlineBudget`); the default budget if None.
     """
 
@@ -67,13 +83,12 @@ class CopyDispatcher:
 
     def __init__(
         self,
-        transfers: list[tuple[str, DataTransfer]],
-        libraries: Mapping[str, Library],
+        libraries: CopyLibraries,
         scope: Scope | None = None,
         budget: InlineBudget | None = None,
     ) -> None:
         self._scope = scope  # the environment's: device tensors of others are refused
-        self._transfers = transfers
+        self._transfers = libraries.transfers
         self._libraries = libraries
         self._budget = budget if budget is not None else InlineBudget()
         self._lock = threading.Lock()
@@ -313,15 +328,19 @@ class CopyDispatcher:
         name = memo.get(self)
         if name is not None:
             return name  # type: ignore[no-any-return]
-        for lib in self._libraries.values():
-            if stream in lib.streams:
-                memo[self] = lib.name
-                return lib.name
-        raise InvalidArgument(f"{stream!r} does not belong to this environment")
+        name = self._libraries.stream_library(stream)
+        if name is None:
+            raise InvalidArgument(f"{stream!r} does not belong to this environment")
+        memo[self] = name
+        return name
 
     def _importers(self) -> list[MemoryImporter]:
         """The registered libraries' memory importers (for foreign tensors)."""
-        return importers_of(lib.factory for lib in list(self._libraries.values()))
+        return self._libraries.importers()
+
+    def can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
+        """Whether a registered data transfer copies from ``src`` to ``dst`` memory."""
+        return any(t.can_copy(src, dst) for _, t in self._transfers)
 
     def _copy_unstreamed(self, plan: CopyPlan, waits: list[NotificationImpl]) -> CopyFuture:
         if not plan.groups:

@@ -15,7 +15,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -46,16 +46,16 @@ from .._plugin.stream_impl import HostNotification
 from .._plugin.tensor import Tensor
 from .._plugin.transfer import TensorLike
 from .._session.initializers import ExternalDataLoader, load_initializers
+from .._session.session import Session, create_session
 from .host import HostFactory
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .report import CloseReport
+from .services import EnvironmentServices
 from .shared_allocators import SharedAllocators
 from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, Reservation, StreamLease
 
 if TYPE_CHECKING:
     from onnx import ModelProto
-
-    from .._session.session import Session
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
 
@@ -75,18 +75,6 @@ class _State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"
     CLOSED = "closed"
-
-
-# Sessions sit in the layer above the environment: aioep._session.session hands its
-# create_session in here when it is imported (aioep/__init__.py imports it), so no import
-# goes upward.
-_session_factory: list[Callable[..., Awaitable[Session]]] = []
-
-
-def set_session_factory(create: Callable[..., Awaitable[Session]]) -> None:
-    """Install the function behind `Environment.create_session`
-    (``aioep._session.session``)."""
-    _session_factory[:] = [create]
 
 
 def current_environment() -> Environment:
@@ -168,7 +156,7 @@ def copy_tensors(
     imported, [`current_environment`][aioep.current_environment].
     """
     if stream is not None and isinstance(stream, SyncStream):
-        dev_env = stream.ep_device._env
+        dev_env = stream.ep_device.environment
         if isinstance(dev_env, Environment) and dev_env._state is _State.OPEN:
             return dev_env._copies.copy(src, dst, stream, allow_reshape)
     # _environment_for checked that it is open: straight to its dispatcher.
@@ -244,15 +232,15 @@ class Environment(AsyncResource):
         self._scope = Scope(self)
         self._allocators = SharedAllocators(self._lock, self._scope)
         self._registry = LibraryRegistry(self, self._allocators, self.load_errors, self._lock)
-        self._copies = CopyDispatcher(
-            self._registry.transfers, self._registry.libraries, self._scope, budget
+        self._copies = CopyDispatcher(self._registry, self._scope, budget)
+        # What sessions and load_initializers use of this environment (their SessionHost).
+        self._services = EnvironmentServices(
+            self, self._registry, self._allocators, self._copies, self._scope
         )
-        # The registry's state and lookups, for sessions, loaders and tests.
+        # The registry's state, for tests.
         self._libraries = self._registry.libraries
         self._transfers = self._registry.transfers
-        self._library_of = self._registry.library_of
         self._open_streams = self._registry.open_streams
-        self._track_session = self._registry.track_session
 
     @property
     def inline_budget(self) -> InlineBudget:
@@ -285,6 +273,7 @@ class Environment(AsyncResource):
     def _start(self) -> None:
         self._check_unopened()
         self._state = _State.OPEN
+        self._services.is_open = True
         with _open_lock:
             _open.add(self)
         try:
@@ -337,11 +326,13 @@ class Environment(AsyncResource):
             self._state = _State.CLOSED if self._state is _State.UNOPENED else self._state
             return False
         self._state = _State.CLOSING
+        self._services.is_open = False
         return True
 
     def _release_everything(self, sessions: Sequence[str] = ()) -> None:
         # Copies are awaited by now: streams, then the copy executor, then the libraries.
         self._state = _State.CLOSING
+        self._services.is_open = False
         self._scope.closed = True
         with _open_lock:
             _open.discard(self)
@@ -563,6 +554,14 @@ class Environment(AsyncResource):
         self._check_open()
         return self._copies.copy(src, dst, stream, allow_reshape)
 
+    def can_copy(self, src: MemoryInfo | MemoryDevice, dst: MemoryInfo | MemoryDevice) -> bool:
+        """Whether a registered data transfer copies from ``src`` to ``dst`` memory (what
+        `copy_tensors` needs for a pair of tensors in those memories)."""
+        devices = [m.device if isinstance(m, MemoryInfo) else m for m in (src, dst)]
+        for name, value in zip(("src", "dst"), devices):
+            check_type("can_copy", name, value, MemoryDevice, "a MemoryInfo or MemoryDevice")
+        return self._copies.can_copy(devices[0], devices[1])
+
     def external_data_loader(self, memory_info: MemoryInfo) -> ExternalDataLoader | None:
         """The first registered loader that can fill tensors in ``memory_info``, or None."""
         check_type("external_data_loader", "memory_info", memory_info, MemoryInfo, "a MemoryInfo")
@@ -581,7 +580,7 @@ class Environment(AsyncResource):
         data reference) for ``options``.
         """
         self._check_open()
-        return await load_initializers(self, model, ep_device, names, **options)
+        return await load_initializers(self._services, model, ep_device, names, **options)
 
     async def create_session(
         self,
@@ -592,7 +591,7 @@ class Environment(AsyncResource):
         """Partition ``model`` (a path, the model's ``bytes`` or an ``onnx.ModelProto``) across
         the EPs of ``ep_devices`` and return an awaitable session."""
         self._check_open()
-        return await _session_factory[0](self, model, ep_devices, options)
+        return await create_session(self._services, model, ep_devices, options)
 
     def __repr__(self) -> str:
         return f"<Environment {self._state.value} libraries={list(self._registry.libraries)}>"

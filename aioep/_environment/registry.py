@@ -32,9 +32,11 @@ from .._base.types import (
     MemoryInfo,
     MemoryType,
 )
+from .._memory.foreign import importers_of
 from .._plugin.allocator import Allocator
-from .._plugin.device import EpDevice
+from .._plugin.device import EpDevice, StreamMaker
 from .._plugin.factory import EpFactory
+from .._plugin.importer import MemoryImporter
 from .._plugin.stream import SyncStream
 from .._plugin.stream_impl import HostNotification, StreamImpl
 from .._plugin.transfer import DataTransfer
@@ -44,7 +46,6 @@ from .report import LiveBuffers
 from .stream_pool import PooledStream, Reservation, StreamRing
 
 if TYPE_CHECKING:
-    from .environment import Environment
     from .shared_allocators import SharedAllocators
 
 __all__ = ["BACKEND_GROUP", "Library", "LibraryRegistry"]
@@ -81,7 +82,7 @@ class LibraryRegistry:
 
     def __init__(
         self,
-        owner: Environment,
+        owner: StreamMaker,
         shared: SharedAllocators,
         load_errors: dict[str, str],
         lock: threading.RLock,
@@ -170,7 +171,7 @@ class LibraryRegistry:
             self.load_errors[lib.name] = factory.unavailable_reason
         self.libraries[lib.name] = lib
         for dev in devices:
-            dev._env = self._owner
+            dev.bind_environment(self._owner)
             lib.ep_devices.append(dev)
             if dev.hardware not in self.hardware:
                 self.hardware.append(dev.hardware)
@@ -254,7 +255,7 @@ class LibraryRegistry:
         self._close_pools(lib, report=False)
         self._close_transfer_and_loader(lib)
         for dev in lib.ep_devices:
-            dev._env = None
+            dev.bind_environment(None)
         self._shared.drop_library(lib.name)
         self._close_allocators(lib, report=False)
         self._close_factory(lib)
@@ -399,6 +400,17 @@ class LibraryRegistry:
             if loader.can_load(memory_info):
                 return loader
         return None
+
+    def stream_library(self, stream: SyncStream) -> str | None:
+        """The name of the library that made ``stream``, or None."""
+        for lib in list(self.libraries.values()):
+            if stream in lib.streams:
+                return lib.name
+        return None
+
+    def importers(self) -> list[MemoryImporter]:
+        """The registered libraries' memory importers (for foreign tensors)."""
+        return importers_of(lib.factory for lib in list(self.libraries.values()))
 
     def open_streams(self) -> list[SyncStream]:
         """Every stream still open, library by library."""

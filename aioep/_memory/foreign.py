@@ -37,7 +37,6 @@ from .dlpack import (
 )
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._plugin.factory import EpFactory
 
 __all__ = [
@@ -136,20 +135,20 @@ _ROLES = ("source", "destination")
 
 
 def import_value(
-    env: Environment, value: object, role: str, *, writable: bool = False
+    importers: Callable[[], list[MemoryImporter]],
+    value: object,
+    role: str,
+    *,
+    writable: bool = False,
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
-    """`as_tensor` with ``env``'s importers and no stream (a value bound for later
-    use: IOBinding)."""
-    return as_tensor(
-        value, role=role, writable=writable, importers=lambda: _env_importers(env), stream=None
-    )
+    """`as_tensor` with the environment's ``importers`` and no stream (a value bound for
+    later use: IOBinding)."""
+    return as_tensor(value, role=role, writable=writable, importers=importers, stream=None)
 
 
-def _env_importers(env: Environment) -> list[MemoryImporter]:
-    return importers_of(lib.factory for lib in list(env._libraries.values()))
-
-
-async def import_feeds(env: Environment, inputs: Any, stream: SyncStream | None) -> Any:
+async def import_feeds(
+    importers: Callable[[], list[MemoryImporter]], inputs: Any, stream: SyncStream | None
+) -> Any:
     """A session run's ``inputs`` with foreign values imported (the mapping itself when it
     holds none). The producers' pending work is waited for: on ``stream``, on the device,
     or awaited here without blocking the loop."""
@@ -162,7 +161,7 @@ async def import_feeds(env: Environment, inputs: Any, stream: SyncStream | None)
         if is_foreign(value):
             out[name], wait = as_tensor(
                 value, role=f"run: input {name!r}", writable=False,
-                importers=lambda: _env_importers(env), stream=impl,
+                importers=importers, stream=impl,
             )  # fmt: skip
             if wait is not None:
                 waits.append(wait)

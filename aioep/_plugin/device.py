@@ -5,20 +5,30 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._base.errors import InvalidArgument
 from .._base.types import HardwareDevice, MemoryInfo, MemoryType
 from .._base.validate import check_options, check_type
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .factory import EpFactory
     from .stream import SyncStream
 
-__all__ = ["EpDevice"]
+__all__ = ["EpDevice", "StreamMaker"]
 
 _SEMVER = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
+
+
+class StreamMaker(Protocol):
+    """What a registered EP device needs of its environment: streams on it (the environment
+    satisfies this, and binds itself with `EpDevice.bind_environment`)."""
+
+    def create_sync_stream(
+        self, ep_device: EpDevice, options: Mapping[str, Any] | None = None
+    ) -> SyncStream:
+        """A new stream on ``ep_device``."""
+        ...
 
 
 class EpDevice:
@@ -77,7 +87,17 @@ class EpDevice:
         self._memory_infos = dict(memory_infos)
         self.ep_metadata: Mapping[str, str] = MappingProxyType(metadata)
         self.ep_options: Mapping[str, str] = MappingProxyType(dict(ep_options or {}))
-        self._env: Environment | None = None
+        self._env: StreamMaker | None = None
+
+    def bind_environment(self, environment: StreamMaker | None) -> None:
+        """Bind this device to the environment that registered its library (None: its library
+        was unregistered). Called by the environment, not by backends or users."""
+        self._env = environment
+
+    @property
+    def environment(self) -> StreamMaker | None:
+        """The environment this device is registered in, or None."""
+        return self._env
 
     @property
     def ep_name(self) -> str:

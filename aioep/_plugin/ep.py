@@ -27,23 +27,63 @@ The contract, in the order a session uses it:
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy.typing as npt
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo, MemoryType
+from .device import StreamMaker
 from .tensor import Tensor
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
+    from .._base.types import DeviceType
     from .._graph.graph import GraphView, Node
+    from .allocator import Allocator
     from .device import EpDevice
     from .stream import SyncStream
+    from .transfer import TensorLike
 
-__all__ = ["CompiledNode", "Ep", "FusedGroup", "IndexedSubGraph", "MetaDef"]
+__all__ = ["CompiledNode", "Ep", "EpEnvironment", "FusedGroup", "IndexedSubGraph", "MetaDef"]
+
+
+class EpEnvironment(StreamMaker, Protocol):
+    """What an EP may use of the environment of its session (`Ep.environment`): the
+    `aioep.Environment` satisfies it."""
+
+    def ep_devices(
+        self, device_type: DeviceType | None = None, ep_name: str | None = None
+    ) -> list[EpDevice]:
+        """EP devices in registration order, optionally filtered by type and EP name."""
+        ...
+
+    def get_shared_allocator(self, memory_info: MemoryInfo) -> Allocator | None:
+        """The shared allocator for that memory, or None."""
+        ...
+
+    def empty(
+        self,
+        shape: Sequence[int] | int,
+        dtype: npt.DTypeLike,
+        memory_info: MemoryInfo | None = None,
+        *,
+        stream: SyncStream | None = None,
+    ) -> Tensor:
+        """An uninitialised tensor from the shared allocator of ``memory_info``."""
+        ...
+
+    def copy_tensors(
+        self,
+        src: Sequence[TensorLike],
+        dst: Sequence[TensorLike],
+        stream: SyncStream | None = None,
+        *,
+        allow_reshape: bool = False,
+    ) -> Awaitable[list[Tensor]]:
+        """Copy each ``src[i]`` into ``dst[i]``; await the result for the destinations."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -131,15 +171,15 @@ class Ep(abc.ABC):
     [`memory_info`][aioep.abc.Ep.memory_info]."""
 
     def __init__(self) -> None:
-        self._environment: Environment | None = None
+        self._environment: EpEnvironment | None = None
         self._ep_devices: tuple[EpDevice, ...] = ()
 
-    def _bind(self, environment: Environment, ep_devices: Sequence[EpDevice]) -> None:
+    def _bind(self, environment: EpEnvironment, ep_devices: Sequence[EpDevice]) -> None:
         self._environment = environment
         self._ep_devices = tuple(ep_devices)
 
     @property
-    def environment(self) -> Environment:
+    def environment(self) -> EpEnvironment:
         """The environment of the session that uses this EP."""
         if self._environment is None:
             raise ClosedError(f"{self!r} is not bound to a session yet")

@@ -28,8 +28,8 @@ from .._plugin.stream import SyncStream
 from .external_data import InitializerSpec, read_initializers
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._plugin.tensor import Tensor
+    from .host import SessionHost
 
 __all__ = ["ExternalDataLoader", "load_initializers"]
 
@@ -56,7 +56,7 @@ class _Progress:
 
 
 async def load_initializers(
-    env: Environment,
+    env: SessionHost,
     model: str | os.PathLike[str],
     ep_device: EpDevice,
     names: Sequence[str] | None = None,
@@ -120,7 +120,7 @@ async def load_initializers(
 
 
 def _checked_memory(
-    env: Environment,
+    env: SessionHost,
     model: str | os.PathLike[str],
     ep_device: EpDevice,
     names: Sequence[str] | None,
@@ -134,7 +134,7 @@ def _checked_memory(
         raise InvalidArgument(
             f"load_initializers: ep_device must be an EpDevice, got {ep_device!r}"
         )
-    env._library_of(ep_device)
+    env.check_device(ep_device)
     info = ep_device.memory_info(MemoryType.DEFAULT)
     if info is None:
         raise InvalidArgument(f"load_initializers: {ep_device!r} has no DEFAULT memory")
@@ -168,7 +168,7 @@ def _checked_memory(
 
 
 def _choose_loader(
-    env: Environment,
+    env: SessionHost,
     info: MemoryInfo,
     specs: Sequence[InitializerSpec],
     loader: ExternalDataLoader | None,
@@ -194,7 +194,7 @@ def _choose_loader(
 
 
 async def _load_all(
-    env: Environment,
+    env: SessionHost,
     ep_device: EpDevice,
     info: MemoryInfo,
     specs: Sequence[InitializerSpec],
@@ -231,7 +231,7 @@ async def _load_all(
 
 
 async def _load_one(
-    env: Environment,
+    env: SessionHost,
     spec: InitializerSpec,
     tensor: Tensor,
     loader: ExternalDataLoader | None,

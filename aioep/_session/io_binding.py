@@ -20,10 +20,10 @@ from .._plugin.tensor import Tensor
 from .values import InputSpec, check_type, same_memory
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._graph.graph import ValueInfo
     from .._plugin.stream import SyncStream
     from .._plugin.stream_impl import NotificationImpl
+    from .host import SessionHost
 
 __all__ = ["IOBinding", "place_bound_outputs"]
 
@@ -41,7 +41,7 @@ class IOBinding:
     def __init__(
         self,
         session: object,
-        env: Environment,
+        env: SessionHost,
         inputs: tuple[InputSpec, ...],
         outputs: Mapping[str, ValueInfo | None],
         readers: Mapping[str, tuple[MemoryDevice, ...]],
@@ -153,7 +153,9 @@ class IOBinding:
     def _tensor(self, value: Any, where: str, key: tuple[str, str]) -> Tensor:
         self._new_work = None
         if is_foreign(value):
-            imported, work = import_value(self._env, value, where, writable=key[0] == "output")
+            imported, work = import_value(
+                self._env.importers, value, where, writable=key[0] == "output"
+            )
             if not isinstance(imported, Tensor):
                 raise InvalidArgument(
                     f"{where}: {type(value).__name__} is not C-contiguous (strides "
@@ -163,7 +165,7 @@ class IOBinding:
                 raise InvalidArgument(f"{where}: {imported!r} was freed")
             if imported.buffer.allocator is not None:
                 # aioep memory that came back wrapped: its environment's rule applies.
-                check_owner(imported, self._env._scope, where)
+                check_owner(imported, self._env.scope, where)
             self._new_work = work
             return imported
         if isinstance(value, np.ndarray):
@@ -180,11 +182,11 @@ class IOBinding:
         if value.buffer.freed:
             raise InvalidArgument(f"{where}: {value!r} was freed")
         if value.buffer.allocator is not None:
-            check_owner(value, self._env._scope, where)
+            check_owner(value, self._env.scope, where)
         return value
 
     def _can_copy(self, src: MemoryDevice, dst: MemoryDevice) -> bool:
-        return any(t.can_copy(src, dst) for _, t in self._env._transfers)
+        return self._env.can_copy(src, dst)
 
     # -- runs ------------------------------------------------------------------------------
     async def _producers_ready(self, stream: SyncStream | None) -> None:
@@ -217,7 +219,7 @@ class IOBinding:
 
 
 def place_bound_outputs(
-    env: Environment, outputs: Mapping[str, Any], bound: Mapping[str, Tensor | MemoryInfo]
+    env: SessionHost, outputs: Mapping[str, Any], bound: Mapping[str, Tensor | MemoryInfo]
 ) -> tuple[dict[str, Any], list[Tensor], list[Tensor]]:
     """A run's outputs as `Session.run_with_binding` returns them, and the copies
     (sources, destinations) that put the bound ones in place.

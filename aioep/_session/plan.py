@@ -27,9 +27,9 @@ from .values import InputSpec, contiguous, input_specs, same_memory
 from .workers import Workers, wait_future
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._graph.graph import GraphView
     from .._plugin.stream import SyncStream
+    from .host import SessionHost
 
 __all__ = ["CopyPoint", "PlanStep", "SessionPlan"]
 
@@ -99,7 +99,7 @@ class SessionPlan:
 
     async def build(
         self,
-        env: Environment,
+        env: SessionHost,
         eps: Sequence[Ep],
         opts: Mapping[str, Any],
         preload: Future[Any] | None,
@@ -155,7 +155,7 @@ class SessionPlan:
         self.copy_points = _copy_points(steps)
 
     def _lay_out(
-        self, env: Environment, partitions: Sequence[Partition]
+        self, env: SessionHost, partitions: Sequence[Partition]
     ) -> tuple[list[PlanStep], _Uploads]:
         """One step per partition that makes something, a stream per stream-aware EP, and
         the initializers to upload to each EP's memory."""
@@ -228,7 +228,7 @@ def _initializer_memory(ep: Ep) -> MemoryInfo:
 
 
 async def _upload(
-    env: Environment, graph: GraphView, wanted: _Uploads
+    env: SessionHost, graph: GraphView, wanted: _Uploads
 ) -> dict[tuple[str, MemoryDevice], Tensor]:
     """The initializers EP steps read, in each EP's memory: read in one worker-thread call
     (external files, conversions), then copied with one batch per device."""

@@ -38,9 +38,9 @@ from .values import (
 )
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._plugin.ep import Ep
     from .._plugin.notification import Notification
+    from .host import SessionHost
     from .plan import PlanStep, SessionPlan
     from .workers import Workers
 
@@ -56,7 +56,7 @@ class Runner:
 
     def __init__(
         self,
-        env: Environment,
+        env: SessionHost,
         plan: SessionPlan,
         eps: Sequence[Ep],
         workers: Workers,
@@ -90,7 +90,7 @@ class Runner:
                 f"{describe_value(output_location)}"
             )
         streams, user_ready = self._streams_for(stream)
-        inputs = await import_feeds(self.env, inputs, stream)
+        inputs = await import_feeds(self.env.importers, inputs, stream)
         plan = self.plan
         if plan.direct is not None and stream is None:
             feeds = host_feeds(plan.input_specs, inputs)
@@ -111,7 +111,7 @@ class Runner:
         as ``InferenceSession.run`` gives them; ``run_options`` an ``onnxruntime.RunOptions``
         or None."""
         streams, user_ready = self._streams_for(stream)
-        inputs = await import_feeds(self.env, inputs, stream)
+        inputs = await import_feeds(self.env.importers, inputs, stream)
         plan = self.plan
         if plan.direct is not None and stream is None:
             feeds = host_feeds(plan.input_specs, inputs)
@@ -137,7 +137,7 @@ class Runner:
         """Run every step of the plan on ``inputs`` (imported already)."""
         run = _Run(
             self,
-            bind_inputs(self.plan.input_specs, inputs, user_ready, stream, self.env._scope),
+            bind_inputs(self.plan.input_specs, inputs, user_ready, stream, self.env.scope),
             streams,
             into,
             run_options,

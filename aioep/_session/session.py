@@ -25,7 +25,6 @@ from .._base.errors import ClosedError, EpError, InvalidArgument
 from .._base.progress import wants_bar
 from .._base.types import HOST_EP_NAME, MemoryDevice
 from .._base.validate import check_int, check_options, describe
-from .._environment.environment import set_session_factory
 from .._graph.graph import GraphView
 from .._graph.ort_compat import check_opsets
 from .._plugin.device import EpDevice
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from onnx import ModelProto
     from onnxruntime import RunOptions
 
-    from .._environment.environment import Environment
+    from .host import SessionHost
 
 __all__ = ["Session", "create_session"]
 
@@ -68,7 +67,7 @@ class _State(enum.Enum):
 
 
 async def create_session(
-    env: Environment,
+    env: SessionHost,
     model: str | os.PathLike[str] | bytes | ModelProto,
     ep_devices: Sequence[EpDevice] | None = None,
     options: Mapping[str, Any] | None = None,
@@ -108,11 +107,11 @@ async def create_session(
         if len({ep.name for ep in eps}) != len(eps):
             raise InvalidArgument(f"create_session: two EPs share a name: {[e.name for e in eps]}")
         session = Session._create(env, graph, eps, tracked)
-        env._track_session(session, tracked, open=True)
+        env.track_session(session, tracked, open=True)
         try:
             await session._prepare(opts, preload)
         except BaseException:
-            env._track_session(session, tracked, open=False)
+            env.track_session(session, tracked, open=False)
             raise
     except BaseException:
         for ep in eps:
@@ -171,7 +170,7 @@ def _checked_options(
     return opts, ep_options
 
 
-def _device_groups(env: Environment, ep_devices: Sequence[EpDevice] | None) -> list[list[EpDevice]]:
+def _device_groups(env: SessionHost, ep_devices: Sequence[EpDevice] | None) -> list[list[EpDevice]]:
     """``ep_devices`` grouped by factory, in order of first appearance (the host's left
     out: the CPU fallback serves it)."""
     groups: dict[int, list[EpDevice]] = {}
@@ -180,14 +179,14 @@ def _device_groups(env: Environment, ep_devices: Sequence[EpDevice] | None) -> l
             raise InvalidArgument(
                 f"create_session: ep_devices must be EpDevice objects, got {dev!r}"
             )
-        env._library_of(dev)  # raises for a device of another environment
+        env.check_device(dev)  # raises for a device of another environment
         if dev.factory.name == HOST_EP_NAME:
             continue
         groups.setdefault(id(dev.factory), []).append(dev)
     return list(groups.values())
 
 
-def _create_ep(env: Environment, devs: list[EpDevice], ep_options: Mapping[str, Any]) -> Ep:
+def _create_ep(env: SessionHost, devs: list[EpDevice], ep_options: Mapping[str, Any]) -> Ep:
     """The EP that the factory of ``devs`` makes for them, bound to ``env``."""
     factory = devs[0].factory
     try:
@@ -202,7 +201,7 @@ def _create_ep(env: Environment, devs: list[EpDevice], ep_options: Mapping[str, 
         raise InvalidArgument(
             f"factory {factory.name!r}.create_ep returned {ep!r}, not an aioep.Ep"
         )
-    ep._bind(env, devs)
+    ep._bind(env.environment, devs)
     return ep
 
 
@@ -231,7 +230,7 @@ class Session(AsyncResource):
         "graph",
     )
 
-    _env: Environment
+    _env: SessionHost
     _eps: list[Ep]
     _plan: SessionPlan
     _runner: Runner
@@ -249,7 +248,7 @@ class Session(AsyncResource):
 
     @classmethod
     def _create(
-        cls, env: Environment, graph: GraphView, eps: list[Ep], tracked: tuple[EpDevice, ...]
+        cls, env: SessionHost, graph: GraphView, eps: list[Ep], tracked: tuple[EpDevice, ...]
     ) -> Session:
         self = object.__new__(cls)
         self._env = env
@@ -545,7 +544,7 @@ class Session(AsyncResource):
             for ep in self._eps:
                 ep.release()
             self._workers.shutdown()
-            self._env._track_session(self, self._tracked, open=False)
+            self._env.track_session(self, self._tracked, open=False)
 
     async def __aenter__(self) -> Session:
         if self._state is not _State.OPEN:
@@ -601,6 +600,3 @@ def _check_run_options(run_options: object) -> None:
         )
     if run_options.terminate:
         raise terminated("before it started")
-
-
-set_session_factory(create_session)
