@@ -4,21 +4,35 @@ a whole model in a form the installed onnxruntime loads."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._base.errors import NotImplementedByEp
 from .ort_compat import ir_version_for_ort
 from .types import _onnx
 
 if TYPE_CHECKING:
-    from .graph import GraphView
+    from .types import Initializer, Node, ValueInfo
 
-__all__ = ["extract_model", "whole_model_source"]
+__all__ = ["SplitSource", "extract_model", "whole_model_source"]
+
+
+class SplitSource(Protocol):
+    """What `extract_model` reads of a graph (a `GraphView` satisfies it): the model, its
+    nodes, initializers and value types, and where a node group meets the rest."""
+
+    @property
+    def model(self) -> Any: ...
+    @property
+    def nodes(self) -> Sequence[Node]: ...
+    @property
+    def initializers(self) -> Mapping[str, Initializer]: ...
+    def value_info(self, name: str) -> ValueInfo | None: ...
+    def boundary(self, indices: Iterable[int]) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
 
 
 def extract_model(
-    graph: GraphView,
+    graph: SplitSource,
     indices: Iterable[int],
     inputs: Sequence[str] | None = None,
     outputs: Sequence[str] | None = None,
@@ -60,7 +74,7 @@ def extract_model(
     return model
 
 
-def _value_info_proto(graph: GraphView, helper: Any, name: str) -> Any:
+def _value_info_proto(graph: SplitSource, helper: Any, name: str) -> Any:
     info = graph.value_info(name)
     if info is None or info.kind == "unknown":
         raise NotImplementedByEp(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -18,9 +18,30 @@ from .values import contiguous
 
 if TYPE_CHECKING:
     from .._graph.graph import GraphView
-    from .plan import PlanStep
+    from .._plugin.ep import MetaDef
 
-__all__ = ["from_ort", "load_parts", "load_whole", "run_ort", "to_ort", "use_whole"]
+__all__ = ["CpuStep", "from_ort", "load_parts", "load_whole", "run_ort", "to_ort", "use_whole"]
+
+
+class CpuPart(Protocol):
+    """The nodes of a CPU step and their interface (a session plan's partition)."""
+
+    @property
+    def nodes(self) -> tuple[int, ...]: ...
+    @property
+    def meta_def(self) -> MetaDef: ...
+
+
+class CpuStep(Protocol):
+    """What loading gives an onnxruntime session to: a step of the session plan
+    (``aioep._session.plan.PlanStep``) that the CPU fallback runs."""
+
+    inputs: tuple[str, ...]
+    ort_session: Any
+    ort_outputs: tuple[str, ...]
+
+    @property
+    def partition(self) -> CpuPart: ...
 
 
 def _ort() -> Any:
@@ -48,7 +69,7 @@ def load_whole(model: Any, opts: Mapping[str, Any]) -> Any:
     )
 
 
-def use_whole(graph: GraphView, step: PlanStep, session: Any) -> None:
+def use_whole(graph: GraphView, step: CpuStep, session: Any) -> None:
     """Make ``session`` (from `load_whole`) run ``step``, the whole graph.
 
     Raises:
@@ -63,7 +84,7 @@ def use_whole(graph: GraphView, step: PlanStep, session: Any) -> None:
 
 
 def load_parts(
-    graph: GraphView, steps: Sequence[PlanStep], opts: Mapping[str, Any], whole: bool
+    graph: GraphView, steps: Sequence[CpuStep], opts: Mapping[str, Any], whole: bool
 ) -> None:
     """Give every CPU step its onnxruntime session (``whole``: the one step is the whole
     graph, loaded from the model itself); runs in a worker thread.
@@ -90,7 +111,7 @@ def load_parts(
             fut.result()
 
 
-def _load_part(graph: GraphView, step: PlanStep, so: Any, whole: bool) -> None:
+def _load_part(graph: GraphView, step: CpuStep, so: Any, whole: bool) -> None:
     meta = step.partition.meta_def
     if whole:
         source = whole_model_source(graph.model_path or graph.model)
