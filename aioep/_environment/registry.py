@@ -9,9 +9,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +31,6 @@ from .._base.types import (
     MemoryType,
 )
 from .._memory.foreign import importers_of
-from .._plugin.allocator import Allocator
 from .._plugin.device import EpDevice, StreamMaker
 from .._plugin.factory import EpFactory
 from .._plugin.importer import MemoryImporter
@@ -42,6 +39,7 @@ from .._plugin.stream_impl import HostNotification, StreamImpl
 from .._plugin.transfer import DataTransfer
 from .._session.initializers import ExternalDataLoader
 from .host import host_hardware_device
+from .library import Library
 from .report import LiveBuffers
 from .stream_pool import PooledStream, Reservation, StreamRing
 
@@ -54,22 +52,6 @@ BACKEND_GROUP = "aioep.backends"
 PATH_BACKEND = "ort"  # the backend that loads ONNX Runtime plugin EP libraries given by path
 
 _HARDWARE_ORDER = {DeviceType.NPU: 0, DeviceType.GPU: 1, DeviceType.FPGA: 2, DeviceType.CPU: 3}
-
-
-@dataclass(eq=False)
-class Library:
-    """One registered plugin library: its factory and everything made from it."""
-
-    name: str
-    factory: EpFactory
-    ep_devices: list[EpDevice] = field(default_factory=list)
-    allocators: list[Allocator] = field(default_factory=list)  # every allocator made from it
-    transfer: DataTransfer | None = None
-    loader: ExternalDataLoader | None = None
-    streams: set[SyncStream] = field(default_factory=set)
-    pools: dict[EpDevice, StreamRing] = field(default_factory=dict)  # env.pooled_stream's
-    sessions: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)  # open sessions
-    retired: list[Allocator] = field(default_factory=list)  # retired, still serving live buffers
 
 
 class LibraryRegistry:

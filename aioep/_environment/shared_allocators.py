@@ -26,7 +26,7 @@ from .._plugin.tensor import Tensor, tensor_layout, tensor_over
 if TYPE_CHECKING:
     from .._plugin.device import EpDevice
     from .._plugin.stream import SyncStream
-    from .registry import Library
+    from .library import Library
 
 __all__ = ["SharedAllocators", "make_allocator"]
 
