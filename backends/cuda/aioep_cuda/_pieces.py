@@ -19,11 +19,12 @@ dispatcher (`after`).
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -38,16 +39,18 @@ from ._workers import WorkerPool
 
 if TYPE_CHECKING:
     from ._device import CudaDevice
-    from ._staging import StagedJob
     from ._wake import Dispatcher
 
 __all__ = [
     "MIN_SLICE_BYTES",
     "ROUTES",
+    "OnDone",
     "Phase",
     "Piece",
     "PieceKind",
     "PieceMachine",
+    "ReleaseStep",
+    "StagedJob",
     "StagedPair",
     "StagingStreams",
     "StreamPair",
@@ -130,6 +133,96 @@ class Piece:
         self.slices_left = 0
         self.to: npt.NDArray[np.uint8] | None = None
         self.frm: npt.NDArray[np.uint8] | None = None
+
+
+class ReleaseStep(enum.Enum):
+    """What a finished batch waits for before it is released (both, in either order)."""
+
+    DEVICE_DONE = "the device work enqueued up to the batch's end has completed"
+    HANDED_OVER = "its on_done has returned"
+
+
+OnDone = Callable[["StagedJob", "CudaStream | None"], None]
+
+
+class StagedJob:
+    """One submitted batch of pageable pairs.
+
+    ``on_done(job, stream)`` runs on a worker once every upload is enqueued on ``stream``
+    and every download has landed (``job.error`` says whether it all went well); work
+    the caller enqueues on ``stream`` there is ordered after the uploads (``stream`` is
+    None if the staging streams could not be made: then nothing reached the device). ``keep`` (the
+    host memory the workers read or write) is let go right after; `released` is
+    set once the device work has completed too.
+    """
+
+    __slots__ = (
+        "_cursor",
+        "_pairs",
+        "_step",
+        "back",
+        "error",
+        "finishing",
+        "h2d",
+        "keep",
+        "on_done",
+        "pieces_left",
+        "release_pending",
+        "released",
+    )
+
+    def __init__(
+        self,
+        pairs: Sequence[StagedPair],
+        keep: Sequence[Any],
+        on_done: OnDone | None,
+        step: int | None,
+    ) -> None:
+        self._pairs = [p for p in pairs if p.nbytes > 0]
+        self._step = step
+        self._cursor = (0, 0)  # (pair index, offset) of the next piece to start
+        self.back: collections.deque[Piece] = collections.deque()  # pieces put back
+        self.keep: Sequence[Any] = keep
+        self.on_done: OnDone | None = on_done
+        self.error: BaseException | None = None
+        self.released = threading.Event()
+        self.h2d = any(p.kind is PieceKind.H2D for p in self._pairs)
+        self.pieces_left = sum(self._count(p) for p in self._pairs)
+        """Pieces not finished yet."""
+        self.finishing = False
+        """Every piece finished (or the batch was abandoned): its release has begun."""
+        self.release_pending = set(ReleaseStep)
+        """The steps of its release still to come."""
+
+    def _size(self, pair: StagedPair) -> int:
+        if self._step is None and pair.kind is not PieceKind.HOST:
+            return pair.nbytes  # unstaged: one driver copy per pair
+        return self._step or pair.nbytes
+
+    def _count(self, pair: StagedPair) -> int:
+        return -(-pair.nbytes // self._size(pair))
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the batch's first failure."""
+        if self.error is None:
+            self.error = exc
+
+    def peek_kind(self) -> PieceKind | None:
+        """The kind of the next piece to start, or None when every piece has started."""
+        if self.back:
+            return self.back[0].kind
+        i = self._cursor[0]
+        return self._pairs[i].kind if i < len(self._pairs) else None
+
+    def pop(self) -> Piece:
+        """The next piece to start (call only after `peek_kind` gave a kind)."""
+        if self.back:
+            return self.back.popleft()
+        i, off = self._cursor
+        pair = self._pairs[i]
+        m = min(self._size(pair), pair.nbytes - off)
+        self._cursor = (i, off + m) if off + m < pair.nbytes else (i + 1, 0)
+        return Piece(self, pair.kind, pair.dst + off, pair.src + off, m)
 
 
 class StreamPair(NamedTuple):
