@@ -15,17 +15,38 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aioep import DeviceError
 
 from ._driver import driver
 
-if TYPE_CHECKING:
-    from ._device import SharedDevice
-    from ._stream import CudaStream
+__all__ = ["Block", "CachingPool", "EventSink", "Marker", "PoolHome", "size_class"]
 
-__all__ = ["Block", "CachingPool", "size_class"]
+
+class Marker(Protocol):
+    """A stream a block was used on (``_stream.CudaStream``): ``mark()`` records a pooled
+    event on it now, or returns None once the stream is closed."""
+
+    def mark(self) -> Any | None: ...
+
+
+class EventSink(Protocol):
+    """Where a pool gives back the events of its blocks (the device's event pool)."""
+
+    def give(self, event: Any) -> None: ...
+
+
+class PoolHome(Protocol):
+    """What a pool needs of the device state it belongs to (``_device.SharedDevice``): its
+    ordinal (for messages), its event pool, and a call when memory comes back (the device
+    state may then be released)."""
+
+    @property
+    def ordinal(self) -> int: ...
+    @property
+    def events(self) -> EventSink: ...
+    def maybe_release(self) -> None: ...
 
 
 def size_class(nbytes: int, *, coarse_above: int = 1 << 20, coarse: int = 1 << 20) -> int:
@@ -71,7 +92,7 @@ class CachingPool:
 
     def __init__(
         self,
-        shared: SharedDevice,
+        shared: PoolHome,
         what: str,
         allocate: Callable[[int], int],
         release: Callable[[int], None],
@@ -162,7 +183,7 @@ class CachingPool:
             self._shared.events.give(block.events.pop())
         return True
 
-    def give(self, block: Block, after_streams: Iterable[CudaStream] = ()) -> None:
+    def give(self, block: Block, after_streams: Iterable[Marker] = ()) -> None:
         """Return ``block``; it is reused only after the work now enqueued on each of
         ``after_streams`` has completed (an event is recorded on each; nothing waits)."""
         events = []
