@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextvars
 import enum
-import functools
 import os
 import threading
 import weakref
@@ -25,7 +24,7 @@ import numpy.typing as npt
 from anyio.abc import AsyncResource
 
 from .._base.budget import DEFAULT_INLINE_BUDGET_US, InlineBudget
-from .._base.errors import ClosedError, EpError, InvalidArgument
+from .._base.errors import ClosedError, EpError
 from .._base.types import (
     HOST_EP_NAME,
     AllocatorType,
@@ -35,14 +34,13 @@ from .._base.types import (
     MemoryInfo,
     MemoryType,
 )
-from .._base.validate import check_int, check_options, check_type, describe
+from .._base.validate import check_options, check_type
 from .._copies.dispatcher import CopyDispatcher
 from .._copies.future import CopyFuture
 from .._plugin.allocator import Allocator
 from .._plugin.device import EpDevice
 from .._plugin.ownership import Scope
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification
 from .._plugin.tensor import Tensor
 from .._plugin.transfer import TensorLike
 from .._session.initializers import ExternalDataLoader, load_initializers
@@ -51,15 +49,14 @@ from .host import HostFactory
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .report import CloseReport
 from .services import EnvironmentServices
+from .settings import Settings
 from .shared_allocators import SharedAllocators
-from .stream_pool import DEFAULT_STREAM_POOL_SIZE, PooledStream, Reservation, StreamLease
+from .stream_pool import DEFAULT_STREAM_POOL_SIZE
 
 if TYPE_CHECKING:
     from onnx import ModelProto
 
 __all__ = ["BACKEND_GROUP", "Environment", "copy_tensors", "current_environment"]
-
-MAX_STREAM_POOL_SIZE = 1024
 
 _current: contextvars.ContextVar[Environment | None] = contextvars.ContextVar(
     "aioep_current_environment", default=None
@@ -193,36 +190,9 @@ class Environment(AsyncResource):
         stream_pool_size: int = DEFAULT_STREAM_POOL_SIZE,
         inline_budget_us: float = DEFAULT_INLINE_BUDGET_US,
     ) -> None:
-        check_type("Environment", "autoload", autoload, bool, "a bool")
-        self._stream_pool_size = check_int(
-            "Environment",
-            "stream_pool_size",
-            stream_pool_size,
-            minimum=1,
-            maximum=MAX_STREAM_POOL_SIZE,
+        self._settings = Settings.checked(
+            autoload, backends, backend_options, stream_pool_size, inline_budget_us
         )
-        try:
-            budget = InlineBudget(inline_budget_us)
-        except InvalidArgument as exc:
-            raise InvalidArgument(f"Environment: {exc}") from None
-        names: list[str] | None = None
-        if backends is not None:
-            try:
-                if isinstance(backends, (str, bytes, Mapping)):
-                    raise TypeError
-                names = list(backends)
-            except TypeError:
-                names = [None]  # type: ignore[list-item]
-            if not all(isinstance(b, str) for b in names):
-                raise InvalidArgument(
-                    f"Environment: backends must be a list of names (str), got {describe(backends)}"
-                )
-        outer = check_options("Environment", "backend_options", backend_options)
-        self._autoload = autoload
-        self._backends = names
-        self._backend_options = {
-            k: check_options("Environment", f"backend_options[{k!r}]", v) for k, v in outer.items()
-        }
         self._state = _State.UNOPENED
         self._close_report: CloseReport | None = None
         self._lock = threading.RLock()
@@ -232,7 +202,7 @@ class Environment(AsyncResource):
         self._scope = Scope(self)
         self._allocators = SharedAllocators(self._lock, self._scope)
         self._registry = LibraryRegistry(self, self._allocators, self.load_errors, self._lock)
-        self._copies = CopyDispatcher(self._registry, self._scope, budget)
+        self._copies = CopyDispatcher(self._registry, self._scope, self._settings.budget)
         # What sessions and load_initializers use of this environment (their SessionHost).
         self._services = EnvironmentServices(
             self, self._registry, self._allocators, self._copies, self._scope
@@ -240,7 +210,7 @@ class Environment(AsyncResource):
         # The registry's state, for tests.
         self._libraries = self._registry.libraries
         self._transfers = self._registry.transfers
-        self._open_streams = self._registry.open_streams
+        self._open_streams = self._registry.streams.open_streams
 
     @property
     def inline_budget(self) -> InlineBudget:
@@ -277,9 +247,10 @@ class Environment(AsyncResource):
         with _open_lock:
             _open.add(self)
         try:
-            self.register_library(HOST_EP_NAME, HostFactory(self._backend_options.get("host")))
-            if self._autoload or self._backends:
-                self._registry.load_backends(self._backends, self._backend_options)
+            settings = self._settings
+            self.register_library(HOST_EP_NAME, HostFactory(settings.backend_options.get("host")))
+            if settings.autoload or settings.backends:
+                self._registry.load_backends(settings.backends, settings.backend_options)
         except BaseException:
             self._release_everything()
             _leave(self)
@@ -308,7 +279,7 @@ class Environment(AsyncResource):
         with anyio.CancelScope(shield=True):
             sessions = await self._registry.close_sessions()
             await self._copies.drain()
-            await self._registry.synchronize_streams()
+            await self._registry.streams.synchronize_streams()
             # Closing streams, transfers, allocators and factories may join threads or sync
             # a device: do it off the event loop. The context variable is reset here, on it.
             await anyio.to_thread.run_sync(self._release_everything, sessions)
@@ -338,7 +309,7 @@ class Environment(AsyncResource):
             _open.discard(self)
         # (the blocking close() leaves sessions open: they close asynchronously)
         sessions = (*sessions, *map(repr, self._registry.open_sessions()))
-        streams = self._registry.close_streams()
+        streams = self._registry.streams.close_streams()
         self._copies.shutdown()
         buffers = self._registry.close_all()
         self._close_report = CloseReport(tuple(streams), sessions, tuple(buffers))
@@ -486,12 +457,12 @@ class Environment(AsyncResource):
         """
         self._check_open()
         opts = check_options("create_sync_stream", "options", options)
-        return self._registry.create_stream(ep_device, opts or None)
+        return self._registry.streams.create_stream(ep_device, opts or None)
 
     @property
     def stream_pool_size(self) -> int:
         """The most streams per EP device that `pooled_stream` lends."""
-        return self._stream_pool_size
+        return self._settings.stream_pool_size
 
     def pooled_stream(self, ep_device: EpDevice) -> AbstractAsyncContextManager[SyncStream]:
         """Borrow one of a bounded set of streams on ``ep_device``, shared with other borrowers.
@@ -520,15 +491,9 @@ class Environment(AsyncResource):
         self._check_open()
         check_type("pooled_stream", "ep_device", ep_device, EpDevice, "an aioep.EpDevice")
         self._registry.library_of(ep_device)
-        return StreamLease(
-            functools.partial(self._lend_stream, ep_device),
-            functools.partial(self._registry.make_pooled_stream, ep_device),
-            self._registry.give_back,
+        return self._registry.streams.lease(
+            ep_device, self._settings.stream_pool_size, self._check_open
         )
-
-    def _lend_stream(self, ep_device: EpDevice) -> PooledStream | Reservation | HostNotification:
-        self._check_open()
-        return self._registry.lend_stream(ep_device, self._stream_pool_size)
 
     def copy_tensors(
         self,

@@ -20,28 +20,25 @@ from .._base.errors import (
     InvalidArgument,
     NoSuchFile,
     NotImplementedByEp,
-    translate_backend_error,
 )
 from .._base.types import (
     HOST_EP_NAME,
     DeviceType,
     HardwareDevice,
-    MemoryDevice,
     MemoryInfo,
-    MemoryType,
 )
 from .._memory.foreign import importers_of
 from .._plugin.device import EpDevice, StreamMaker
 from .._plugin.factory import EpFactory
 from .._plugin.importer import MemoryImporter
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification, StreamImpl
 from .._plugin.transfer import DataTransfer
 from .._session.initializers import ExternalDataLoader
 from .host import host_hardware_device
 from .library import Library
 from .report import LiveBuffers
-from .stream_pool import PooledStream, Reservation, StreamRing
+from .stream_pool import PooledStream
+from .streams import LibraryStreams, quietly
 
 if TYPE_CHECKING:
     from .shared_allocators import SharedAllocators
@@ -77,6 +74,8 @@ class LibraryRegistry:
         self.hardware: list[HardwareDevice] = [host_hardware_device()]
         self.transfers: list[tuple[str, DataTransfer]] = []
         self.loaders: list[tuple[str, ExternalDataLoader]] = []
+        self.streams = LibraryStreams(self.libraries, self.library_of, lock)
+        """Their streams and stream pools."""
 
     # -- registration ----------------------------------------------------------------------
     def load_backends(
@@ -234,7 +233,7 @@ class LibraryRegistry:
     def _remove(self, lib: Library) -> None:
         # ORT's order: data transfers, then devices and their shared allocators, then the factory.
         self.libraries.pop(lib.name, None)
-        self._close_pools(lib, report=False)
+        self.streams.close_pools(lib, report=False)
         self._close_transfer_and_loader(lib)
         for dev in lib.ep_devices:
             dev.bind_environment(None)
@@ -249,25 +248,6 @@ class LibraryRegistry:
         for session in self.open_sessions():
             found.append(repr(session))
             await session.aclose()
-        return found
-
-    async def synchronize_streams(self) -> None:
-        """Wait for the work enqueued on every open stream (failures are ignored here)."""
-        for stream in self.open_streams():
-            try:
-                await stream.synchronize()
-            except Exception:
-                pass
-
-    def close_streams(self) -> list[str]:
-        """Close the pooled streams, then the streams still open; returns the reprs of
-        those still lent or open (for the close report)."""
-        found = []
-        for lib in self.libraries.values():
-            found += self._close_pools(lib, report=True)
-        for stream in self.open_streams():
-            found.append(repr(stream))
-            stream.close()
         return found
 
     def close_all(self) -> list[LiveBuffers]:
@@ -288,30 +268,14 @@ class LibraryRegistry:
         self.libraries.clear()
         return live
 
-    def _close_pools(self, lib: Library, *, report: bool) -> list[str]:
-        # A stream still being made joins its ring when made: wait for it (never the case
-        # when unregistering: a stream being made keeps the library in use).
-        for ring in list(lib.pools.values()):
-            for reservation in list(ring.making):
-                reservation.made.wait_on_host(None)
-        with self._lock:
-            pooled = [s for ring in lib.pools.values() for s in ring.streams]
-            lib.pools.clear()
-        lent = []
-        for stream in pooled:
-            if report and stream.lent:
-                lent.append(f"{stream!r} (still lent by env.pooled_stream())")
-            _quietly(stream.retire, f"pooled stream {stream!r}")
-        return lent
-
     def _close_transfer_and_loader(self, lib: Library) -> None:
         if lib.transfer is not None:
             self.transfers[:] = [t for t in self.transfers if t[1] is not lib.transfer]
-            _quietly(lib.transfer.close, f"data transfer of {lib.name!r}")
+            quietly(lib.transfer.close, f"data transfer of {lib.name!r}")
             lib.transfer = None
         if lib.loader is not None:
             self.loaders[:] = [t for t in self.loaders if t[1] is not lib.loader]
-            _quietly(lib.loader.close, f"external data loader of {lib.name!r}")
+            quietly(lib.loader.close, f"external data loader of {lib.name!r}")
             lib.loader = None
 
     @staticmethod
@@ -332,7 +296,7 @@ class LibraryRegistry:
                         allocator=repr(allocator),
                     )
                 )
-            _quietly(allocator.retire, f"allocator {allocator.memory_info.name!r}")
+            quietly(allocator.retire, f"allocator {allocator.memory_info.name!r}")
         lib.retired = [a for a in lib.allocators if not a.closed]
         lib.allocators.clear()
         return live
@@ -343,7 +307,7 @@ class LibraryRegistry:
         pending = [a for a in lib.retired if not a.closed]
         lib.retired = []
         if not pending:
-            _quietly(lib.factory.close, f"factory of {lib.name!r}")
+            quietly(lib.factory.close, f"factory of {lib.name!r}")
             return
         remaining = [len(pending)]
         count_lock = threading.Lock()
@@ -353,7 +317,7 @@ class LibraryRegistry:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                _quietly(lib.factory.close, f"factory of {lib.name!r}")
+                quietly(lib.factory.close, f"factory of {lib.name!r}")
 
         for allocator in pending:
             allocator.add_close_callback(one_closed)
@@ -394,76 +358,9 @@ class LibraryRegistry:
         """The registered libraries' memory importers (for foreign tensors)."""
         return importers_of(lib.factory for lib in list(self.libraries.values()))
 
-    def open_streams(self) -> list[SyncStream]:
-        """Every stream still open, library by library."""
-        return [s for lib in self.libraries.values() for s in list(lib.streams)]
-
     def open_sessions(self) -> set[Any]:
         """Every session still open on a device of a library."""
         return {s for lib in self.libraries.values() for s in lib.sessions}
-
-    # -- streams and sessions --------------------------------------------------------------
-    def create_stream(self, ep_device: EpDevice, options: Mapping[str, Any] | None) -> SyncStream:
-        """A new stream on ``ep_device`` (see `Environment.create_sync_stream`)."""
-        with self._lock:
-            lib, factory, memory = self._stream_maker(ep_device)
-            impl = _make_stream_impl(factory, memory, options)
-            stream = SyncStream(impl, ep_device, on_close=lib.streams.discard)
-            lib.streams.add(stream)
-            return stream
-
-    def _stream_maker(self, ep_device: EpDevice) -> tuple[Library, EpFactory, MemoryDevice]:
-        # Under self._lock: the library, its factory and the memory a stream would run on.
-        lib = self.library_of(ep_device)
-        info = ep_device.memory_info(MemoryType.DEFAULT)
-        if info is None:
-            raise InvalidArgument(f"{ep_device!r} has no DEFAULT memory to run a stream on")
-        if not lib.factory.is_stream_aware():
-            raise NotImplementedByEp(
-                f"The execution provider {lib.factory.name!r} does not support streams."
-            )
-        return lib, lib.factory, info.device
-
-    # -- the stream pool (env.pooled_stream) -------------------------------------------------
-    def lend_stream(
-        self, ep_device: EpDevice, size: int
-    ) -> PooledStream | Reservation | HostNotification:
-        """A stream of ``ep_device``'s pool (at most ``size`` streams), counted as lent; or a
-        `Reservation` the caller fills with `make_pooled_stream` (off the event
-        loop); or, while the streams are all being made, a notification to await before
-        asking again."""
-        with self._lock:
-            lib, _, _ = self._stream_maker(ep_device)
-            ring = lib.pools.get(ep_device)
-            if ring is None:
-                ring = lib.pools[ep_device] = StreamRing()
-            got = ring.pick(size)
-            if isinstance(got, PooledStream):
-                got.borrowed()
-            return got
-
-    def make_pooled_stream(self, ep_device: EpDevice, reservation: Reservation) -> None:
-        """Make the stream ``reservation`` holds a place for and add it to the pool.
-
-        Blocking (a driver may wait in its stream creation): call it off the event loop. The
-        environment's lock is not held meanwhile; the reservation keeps the library in use.
-        """
-        stream: PooledStream | None = None
-        try:
-            with self._lock:
-                lib, factory, memory = self._stream_maker(ep_device)
-            impl = _make_stream_impl(factory, memory, None)
-            with self._lock:
-                stream = PooledStream(impl, ep_device, on_close=lib.streams.discard)
-                lib.streams.add(stream)
-        finally:
-            with self._lock:
-                reservation.fill(stream)
-
-    def give_back(self, stream: PooledStream) -> None:
-        """A borrower is done with ``stream`` (its work may still be in flight)."""
-        with self._lock:
-            stream.returned()
 
     def track_session(self, session: Any, ep_devices: Sequence[EpDevice], *, open: bool) -> None:
         """Count an open session against the libraries of its devices (unregister refuses)."""
@@ -474,35 +371,6 @@ class LibraryRegistry:
                         lib.sessions.add(session)
                     else:
                         lib.sessions.discard(session)
-
-
-def _make_stream_impl(
-    factory: EpFactory, memory: MemoryDevice, options: Mapping[str, Any] | None
-) -> StreamImpl:
-    """The factory's new stream for ``memory``, checked; backend errors translated."""
-    try:
-        impl = factory.create_sync_stream(memory, options)
-    except Exception as exc:
-        raise translate_backend_error(exc, f"{factory.name!r} create_sync_stream") from exc
-    if impl is None:
-        raise EpError(
-            f"Failed to get a stream implementation from the EP factory {factory.name!r}."
-        )
-    if not isinstance(impl, StreamImpl):
-        raise InvalidArgument(
-            f"factory {factory.name!r}.create_sync_stream returned {impl!r}, not an "
-            "aioep.abc.StreamImpl"
-        )
-    return impl
-
-
-def _quietly(fn: Any, what: str) -> None:
-    try:
-        fn()
-    except Exception as exc:
-        warnings.warn(
-            f"closing {what} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=3
-        )
 
 
 def _backend_entry_points() -> Iterator[importlib.metadata.EntryPoint]:
