@@ -255,7 +255,6 @@ OVERSIZE = {
     "aioep/_memory/arena.py::ArenaAllocator": _RELAYERING,
     "aioep/_memory/arena_pool.py": _RELAYERING,
     "aioep/_memory/arena_pool.py::StreamPool": _RELAYERING,
-    "aioep/_session/session.py": _RELAYERING,
     "aioep/_plugin/stream_impl.py": _RELAYERING,
     "aioep/_plugin/tensor.py": _RELAYERING,
     "aioep/_tools/bench.py": _RELAYERING,

@@ -43,8 +43,9 @@ from .._plugin.ownership import Scope
 from .._plugin.stream import SyncStream
 from .._plugin.tensor import Tensor
 from .._plugin.transfer import TensorLike
+from .._session.create import create_session
 from .._session.initializers import ExternalDataLoader, load_initializers
-from .._session.session import Session, create_session
+from .._session.session import Session
 from .host import HostFactory
 from .registry import BACKEND_GROUP, LibraryRegistry
 from .report import CloseReport
