@@ -257,7 +257,6 @@ OVERSIZE = {
     "aioep/_memory/arena_pool.py::StreamPool": _RELAYERING,
     "aioep/_plugin/stream_impl.py": _RELAYERING,
     "aioep/_plugin/tensor.py": _RELAYERING,
-    "aioep/_tools/bench.py": _RELAYERING,
 }
 
 
