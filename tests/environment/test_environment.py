@@ -494,3 +494,35 @@ async def test_aclose_waits_for_copies_in_flight() -> None:
         assert fut.done()
         np.testing.assert_array_equal(dst, src)
         assert env_stream.closed
+
+
+# -- what the layers below see of the environment ----------------------------------------
+
+
+async def test_can_copy_follows_the_registered_transfers() -> None:
+    async with aioep.Environment(backends=["sim"]) as env:
+        (dev,) = env.ep_devices(ep_name="SimExecutionProvider")[:1]
+        device_info = dev.memory_info(aioep.MemoryType.DEFAULT)
+        assert device_info is not None
+        host_info = env.ep_devices(aioep.DeviceType.CPU)[0].memory_infos[0]
+        assert host_info.device.is_host_accessible
+        assert env.can_copy(host_info, device_info)
+        assert env.can_copy(device_info.device, host_info.device)
+        with pytest.raises(aioep.InvalidArgument, match="can_copy: dst"):
+            env.can_copy(host_info, "sim")  # type: ignore[arg-type]
+        env.unregister_library("sim")
+        # The sim's transfer went with its library: nothing copies to its memory now.
+        assert not env.can_copy(host_info, device_info)
+        assert env.can_copy(host_info, host_info)
+
+
+async def test_an_ep_device_knows_its_environment_while_registered() -> None:
+    async with aioep.Environment(backends=["sim"]) as env:
+        dev = env.ep_devices(ep_name="SimExecutionProvider")[0]
+        assert dev.environment is env
+        async with dev.create_sync_stream() as stream:
+            assert stream.ep_device is dev
+        env.unregister_library("sim")
+        assert dev.environment is None
+        with pytest.raises(aioep.InvalidArgument, match="not registered in an open Environment"):
+            dev.create_sync_stream()
