@@ -44,7 +44,7 @@ import threading
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
 from .._plugin.allocator import Allocator, check_nbytes, check_stream
-from .._plugin.stream import SyncStream
+from .._plugin.stream import SyncStream, sync_point
 from .._plugin.tensor import Buffer
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
@@ -140,7 +140,7 @@ class _ArenaBuffer(Buffer):
             stream = chunk.tag
             if stream is not None:
                 # The point in the stream's order after the work that used this chunk.
-                chunk.mark = stream._sync_id  # type: ignore[attr-defined]
+                chunk.mark = sync_point(stream)  # type: ignore[arg-type]
             if chunk.cls >= 0 and arena._lazy:
                 arena._returned.append(chunk)
                 return
@@ -167,7 +167,7 @@ def _release_locked(self: _ArenaBuffer) -> None:
     arena = self.allocator
     stream = chunk.tag
     if stream is not None:
-        chunk.mark = stream._sync_id  # type: ignore[attr-defined]
+        chunk.mark = sync_point(stream)  # type: ignore[arg-type]
     arena._returned.append(chunk)
     if chunk.cls < 0 or not arena._lazy:
         arena._settle()

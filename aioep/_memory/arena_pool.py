@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .._base.errors import DeviceError, EpError
+from .._plugin.stream import has_passed, has_waited_for
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_regions import RegionReturns, RegionSizer, free_handles
 from .bfc import BfcCore, Chunk, Region
@@ -64,13 +65,7 @@ _KEY = operator.attrgetter("key")  # size << 64 | ptr, set when the chunk is han
 
 def idle(stream: SyncStream) -> bool:
     """True when ``stream`` has completed all work enqueued so far (or is closed)."""
-    return stream._closed or stream._impl.query() is True
-
-
-def _tail_passed(stream: SyncStream, sync_id: int) -> bool:
-    """True when a notification ``stream`` recorded after point ``sync_id`` is done."""
-    tail = stream._tail
-    return tail is not None and tail._sync_table.get(stream._uid, 0) > sync_id and tail.done()
+    return stream.closed or stream.impl.query() is True
 
 
 def usable(chunk: Chunk, stream: SyncStream | None, cache: dict[int, bool]) -> bool:
@@ -79,13 +74,13 @@ def usable(chunk: Chunk, stream: SyncStream | None, cache: dict[int, bool]) -> b
     owner: SyncStream | None = chunk.tag  # type: ignore[assignment]
     if owner is None or owner is stream:
         return True
-    if stream is not None and stream._sync_clock.get(owner._uid, 0) > chunk.mark:
+    if stream is not None and has_waited_for(stream, owner, chunk.mark):
         return True  # stream waited on a notification owner recorded after the free
-    key = owner._uid
+    key = id(owner)  # owners are alive (chunks hold them) for the one search of the cache
     done = cache.get(key)
     if done is None:
         done = cache[key] = idle(owner)
-    return done or _tail_passed(owner, chunk.mark)
+    return done or has_passed(owner, chunk.mark)
 
 
 class StreamPool:

@@ -105,7 +105,7 @@ class RegionReturns:
     def release_when_stream_passes(self, region: Region, *, closed: bool) -> None:
         """Give a free region back once its stream has passed the work that used it."""
         stream = region.head.tag
-        if stream is None or stream._closed:  # type: ignore[attr-defined]
+        if stream is None or stream.closed:  # type: ignore[attr-defined]
             self.give_back(region)
             return
         try:
