@@ -513,7 +513,7 @@ def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
 
 
 def _nbytes(pairs: Sequence[CopyPair]) -> int:
-    return sum(s._nbytes for s, _ in pairs)
+    return sum(s.nbytes for s, _ in pairs)
 
 
 def _describe(transfer: DataTransfer) -> str:

@@ -147,7 +147,7 @@ class HostDataTransfer(DataTransfer):
     def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
         """True unless the batch is big enough to be split across threads (which waits
         for them): every other batch is a memmove on the calling thread."""
-        return sum(s._nbytes for s, _ in pairs) < 2 * self.parallel_threshold
+        return sum(s.nbytes for s, _ in pairs) < 2 * self.parallel_threshold
 
     def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
         jobs = [(d.data_ptr, s.data_ptr, s.nbytes) for s, d in pairs if s.nbytes]

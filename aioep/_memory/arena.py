@@ -45,7 +45,7 @@ from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
 from .._plugin.allocator import Allocator, check_nbytes, check_stream
 from .._plugin.stream import SyncStream, sync_point
-from .._plugin.tensor import Buffer
+from .._plugin.tensor import Buffer, new_buffer
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from .arena_regions import RegionReturns, free_handles
@@ -71,7 +71,6 @@ _CLASS_SHIFT = _CLASS_BITS + 1
 _FINE_SHIFT = 6 + 1
 
 _PIN_LOCK = threading.Lock()  # guards the pin counts of arena buffers (held for an increment)
-_new_buffer = object.__new__
 _insort = bisect.insort
 _KEY = operator.attrgetter("key")
 
@@ -275,11 +274,7 @@ class ArenaAllocator(Allocator):
                 # held the chunk (its release left them to here).
                 self._bytes_in_use += nbytes - chunk.req
                 chunk.req = nbytes
-                buffer: _ArenaBuffer = _new_buffer(self._host_buffer_class)
-                buffer.ptr = chunk.ptr
-                buffer.nbytes = nbytes
-                buffer._pins = 0
-                buffer._released = False
+                buffer = new_buffer(self._host_buffer_class, chunk.ptr, nbytes)
                 buffer._chunk = chunk
                 return buffer
         return self._alloc(nbytes, stream)
@@ -308,16 +303,11 @@ class ArenaAllocator(Allocator):
             lock.release()
         if self._after:
             self._finish()
-        buffer: _ArenaBuffer
         if stream is None:
-            buffer = _new_buffer(self._host_buffer_class)  # its class says stream None
+            buffer = new_buffer(self._host_buffer_class, chunk.ptr, nbytes)  # stream None
         else:
-            buffer = _new_buffer(self._buffer_class)
+            buffer = new_buffer(self._buffer_class, chunk.ptr, nbytes)
             buffer.stream = stream
-        buffer.ptr = chunk.ptr
-        buffer.nbytes = nbytes
-        buffer._pins = 0
-        buffer._released = False
         buffer._chunk = chunk
         return buffer
 
@@ -412,12 +402,8 @@ class ArenaAllocator(Allocator):
             self._bytes_in_use += nbytes
         finally:
             self._end()
-        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
-        buffer.ptr = chunk.ptr
-        buffer.nbytes = nbytes
+        buffer = new_buffer(self._buffer_class, chunk.ptr, nbytes)
         buffer.stream = stream
-        buffer._pins = 0
-        buffer._released = False
         buffer._chunk = chunk
         return buffer
 

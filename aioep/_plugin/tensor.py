@@ -6,7 +6,7 @@ import ctypes
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,7 @@ _DL_CPU, _DL_CUDA, _DL_EXT_DEV = (
     int(DLDeviceType.EXT_DEV),
 )
 _MAX_PTR = (1 << 64) - 1
+_B = TypeVar("_B", bound="Buffer")
 _PIN_LOCK = threading.Lock()  # guards every buffer's pin count (held for an increment)
 
 
@@ -188,7 +189,7 @@ class Buffer:
     def pending_work(self) -> Any:
         """The [`Notification`][aioep.Notification] of the last copy that used this buffer while it
         is not complete, else None: what a DLPack consumer's stream must wait for."""
-        work = getattr(self, "_last_use", None)  # unset on buffers built without __init__
+        work = self._last_use
         if work is None or work.done():
             return None
         return work
@@ -249,9 +250,12 @@ class Tensor:
     Tensors in host-accessible memory give a zero-copy [`numpy`][aioep.Tensor.numpy] view and
     DLPack export; tensors in device memory move only by
     [`aioep.copy_tensors`][aioep.copy_tensors].
+
+    ``shape``, ``dtype``, ``nbytes`` (the size of the data in bytes), ``buffer`` and
+    ``byte_offset`` (where the data starts in the buffer) are plain attributes.
     """
 
-    __slots__ = ("__weakref__", "_nbytes", "_size", "buffer", "byte_offset", "dtype", "shape")
+    __slots__ = ("__weakref__", "_size", "buffer", "byte_offset", "dtype", "nbytes", "shape")
 
     def __init__(
         self,
@@ -274,7 +278,7 @@ class Tensor:
         self.shape = dims
         self.dtype = dt
         self._size = size
-        self._nbytes = nbytes
+        self.nbytes = nbytes
         self.buffer = buffer
         self.byte_offset = byte_offset
 
@@ -297,47 +301,6 @@ class Tensor:
                 "memory cannot hold (sessions take string arrays as inputs directly)"
             )
         return checked_host_tensor(array, readonly=not flags.writeable)
-
-    @classmethod
-    def _over_array(cls, array: npt.NDArray[Any], buffer: Buffer) -> Tensor:
-        """A tensor of ``array``'s shape and dtype over ``buffer`` (which holds exactly the
-        array's bytes), built without ``__init__``'s checks: a C-contiguous numpy array
-        already satisfies them (the hot path of copy_tensors with host arguments)."""
-        tensor = cls.__new__(cls)
-        tensor.shape = array.shape
-        tensor.dtype = array.dtype
-        tensor._size = array.size
-        tensor._nbytes = array.nbytes
-        tensor.buffer = buffer
-        tensor.byte_offset = 0
-        return tensor
-
-    @classmethod
-    def _of_objects(cls, array: npt.NDArray[Any]) -> Tensor:
-        """A host-only, read-only tensor over an array of Python objects (an ONNX string
-        tensor from or for onnxruntime). `numpy` gives the array back; no copy ever
-        moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
-        if not array.flags.c_contiguous:
-            array = np.ascontiguousarray(array).reshape(array.shape)
-        tensor = cls.__new__(cls)
-        tensor.shape = array.shape
-        tensor.dtype = array.dtype
-        tensor._size = array.size
-        tensor._nbytes = array.nbytes
-        tensor.buffer = Buffer(
-            array.__array_interface__["data"][0],
-            array.nbytes,
-            HOST_MEMORY_INFO,
-            owner=array,
-            readonly=True,
-        )
-        tensor.byte_offset = 0
-        return tensor
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the data in bytes."""
-        return self._nbytes
 
     @property
     def size(self) -> int:
@@ -570,8 +533,74 @@ def wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
     tensor.shape = array.shape
     tensor.dtype = array.dtype
     tensor._size = array.size
-    tensor._nbytes = nbytes
+    tensor.nbytes = nbytes
     tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
+
+
+def new_buffer(cls: type[_B], ptr: int, nbytes: int) -> _B:
+    """A buffer of class ``cls`` (a `Buffer` subclass whose class attributes give the fields
+    that do not change: memory info, allocator, release, pin lock) over ``nbytes`` at
+    ``ptr``, with no pins, not released, never used, built without ``__init__``'s checks:
+    for an allocator whose values are known good (the arena's hot path). The caller sets
+    what its class does not give."""
+    buffer = _new_buffer(cls)
+    buffer.ptr = ptr
+    buffer.nbytes = nbytes
+    buffer._pins = 0
+    buffer._released = False
+    buffer._last_use = None
+    return buffer
+
+
+def imported_host_tensor(array: npt.NDArray[Any], producer: object, readonly: bool) -> Tensor:
+    """A tensor over a C-contiguous host ``array`` of plain values that ``producer`` handed
+    over (DLPack), zero-copy: an `ImportedBuffer` that keeps both alive, built without the
+    constructors' checks, which the array already satisfies (the hot path of a host tensor
+    imported for a copy)."""
+    buffer = _new_buffer(ImportedBuffer)
+    buffer.ptr = array.__array_interface__["data"][0]
+    buffer.nbytes = nbytes = array.nbytes
+    buffer.memory_info = HOST_MEMORY_INFO
+    buffer.allocator = None
+    buffer.readonly = readonly
+    buffer.stream = None
+    buffer._owner = (producer, array)
+    buffer._pins = 0
+    buffer._released = False
+    buffer._pin_lock = _PIN_LOCK
+    buffer._on_release = None
+    buffer._last_use = None
+    buffer.producer = producer
+    tensor = _new_tensor(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor.nbytes = nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
+
+
+def object_tensor(array: npt.NDArray[Any]) -> Tensor:
+    """A host-only, read-only tensor over an array of Python objects (an ONNX string
+    tensor from or for onnxruntime). `Tensor.numpy` gives the array back; no copy ever
+    moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array).reshape(array.shape)
+    tensor = _new_tensor(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor.nbytes = array.nbytes
+    tensor.buffer = Buffer(
+        array.__array_interface__["data"][0],
+        array.nbytes,
+        HOST_MEMORY_INFO,
+        owner=array,
+        readonly=True,
+    )
     tensor.byte_offset = 0
     return tensor
 
@@ -629,7 +658,7 @@ def copy_pairs(
         else:
             return None
         sd, dd = s.dtype, d.dtype
-        if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
+        if (sd is not dd and sd != dd) or s.nbytes != d.nbytes or s.shape != d.shape:
             return None
         pairs.append((s, d))
         sources.append(s)
@@ -677,7 +706,7 @@ def copy_pair(
     else:
         return None
     sd, dd = s.dtype, d.dtype
-    if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
+    if (sd is not dd and sd != dd) or s.nbytes != d.nbytes or s.shape != d.shape:
         return None
     if _overlap(s, d):
         return None
@@ -687,7 +716,7 @@ def copy_pair(
 def _overlap(a: Tensor, b: Tensor) -> bool:
     """True when ``a`` and ``b`` share bytes of one address space (host memory, pinned
     included, is one; each device's memory another)."""
-    an, bn = a._nbytes, b._nbytes
+    an, bn = a.nbytes, b.nbytes
     if not an or not bn:
         return False
     abuf, bbuf = a.buffer, b.buffer
@@ -875,7 +904,7 @@ def tensor_over(
     tensor.shape = dims
     tensor.dtype = dtype
     tensor._size = size
-    tensor._nbytes = nbytes
+    tensor.nbytes = nbytes
     tensor.buffer = buffer
     tensor.byte_offset = 0
     return tensor
