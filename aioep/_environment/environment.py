@@ -38,8 +38,8 @@ from .._base.types import (
 from .._base.validate import check_int, check_options, check_type, describe
 from .._copies.dispatcher import CopyDispatcher
 from .._copies.future import CopyFuture
-from .._plugin.allocator import Allocator
-from .._plugin.device import EpDevice
+from .._plugin.allocator import Allocator, allocator_origin
+from .._plugin.device import EpDevice, device_owner
 from .._plugin.ownership import Scope
 from .._plugin.stream import SyncStream
 from .._plugin.stream_impl import HostNotification
@@ -129,7 +129,7 @@ def _environment_for(src: Sequence[Any], dst: Sequence[Any]) -> Environment:
             if type(t) is not Tensor:
                 continue
             allocator = t.buffer.allocator
-            origin = None if allocator is None else allocator._origin
+            origin = None if allocator is None else allocator_origin(allocator)
             if origin is None or t.buffer.memory_info.device.is_host_accessible:
                 continue
             env = origin.scope.env
@@ -168,7 +168,7 @@ def copy_tensors(
     imported, [`current_environment`][aioep.current_environment].
     """
     if stream is not None and isinstance(stream, SyncStream):
-        dev_env = stream.ep_device._env
+        dev_env = device_owner(stream.ep_device)
         if isinstance(dev_env, Environment) and dev_env._state is _State.OPEN:
             return dev_env._copies.copy(src, dst, stream, allow_reshape)
     # _environment_for checked that it is open: straight to its dispatcher.

@@ -33,7 +33,7 @@ from .._base.types import (
     MemoryType,
 )
 from .._plugin.allocator import Allocator
-from .._plugin.device import EpDevice
+from .._plugin.device import EpDevice, bind_device
 from .._plugin.factory import EpFactory
 from .._plugin.stream import SyncStream
 from .._plugin.stream_impl import HostNotification, StreamImpl
@@ -170,7 +170,7 @@ class LibraryRegistry:
             self.load_errors[lib.name] = factory.unavailable_reason
         self.libraries[lib.name] = lib
         for dev in devices:
-            dev._env = self._owner
+            bind_device(dev, self._owner)
             lib.ep_devices.append(dev)
             if dev.hardware not in self.hardware:
                 self.hardware.append(dev.hardware)
@@ -254,7 +254,7 @@ class LibraryRegistry:
         self._close_pools(lib, report=False)
         self._close_transfer_and_loader(lib)
         for dev in lib.ep_devices:
-            dev._env = None
+            bind_device(dev, None)
         self._shared.drop_library(lib.name)
         self._close_allocators(lib, report=False)
         self._close_factory(lib)

@@ -33,7 +33,7 @@ from .types import (
 if TYPE_CHECKING:
     from onnx import ModelProto
 
-__all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
+__all__ = ["GraphView", "Initializer", "Node", "ValueInfo", "with_assigned"]
 
 
 def _outer_scope_reads(graph: Any) -> set[str]:
@@ -280,13 +280,6 @@ class GraphView:
         """Indices of the nodes no higher-priority EP has claimed yet."""
         return tuple(i for i in range(len(self.nodes)) if i not in self._assigned)
 
-    def _with_assigned(self, assigned: Mapping[int, str]) -> GraphView:
-        view = object.__new__(GraphView)
-        for name in GraphView.__slots__:
-            object.__setattr__(view, name, getattr(self, name))
-        view._assigned = MappingProxyType(dict(assigned))
-        return view
-
     def boundary(self, indices: Iterable[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(inputs, outputs) of a node group: the values it reads from outside (initializers
         included) and the values it makes that are read outside or are graph outputs."""
@@ -368,3 +361,13 @@ class GraphView:
     def __repr__(self) -> str:
         where = f" {str(self.model_path)!r}" if self.model_path is not None else ""
         return f"<GraphView{where} nodes={len(self.nodes)} inputs={len(self.inputs)} outputs={len(self.outputs)}>"
+
+
+def with_assigned(graph: GraphView, assigned: Mapping[int, str]) -> GraphView:
+    """A view of ``graph`` whose nodes in ``assigned`` are taken (node index -> EP name): what
+    the partitioner shows the next EP."""
+    view = object.__new__(GraphView)
+    for name in GraphView.__slots__:
+        object.__setattr__(view, name, getattr(graph, name))
+    view._assigned = MappingProxyType(dict(assigned))
+    return view

@@ -43,7 +43,13 @@ import threading
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
-from .._plugin.allocator import Allocator, check_nbytes, check_stream
+from .._plugin.allocator import (
+    Allocator,
+    allocator_origin,
+    check_nbytes,
+    check_stream,
+    set_origin,
+)
 from .._plugin.stream import SyncStream, sync_point
 from .._plugin.tensor import Buffer, new_buffer
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
@@ -195,7 +201,9 @@ class ArenaAllocator(Allocator):
         self._lock = lock = threading.RLock()  # type: ignore[assignment]
         self.base = base
         self.config = config
-        self._origin = base._origin  # an arena's memory belongs to whoever owns its base
+        set_origin(
+            self, allocator_origin(base)
+        )  # an arena's memory belongs to whoever owns its base
         self._limit = config.limit
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
         self._returns = RegionReturns(lock, self._after_give_back)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -36,10 +36,11 @@ from .dlpack import (
 )
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
+    from .._plugin.device import EpDevice
     from .._plugin.factory import EpFactory
 
 __all__ = [
+    "DeviceSource",
     "as_tensor",
     "import_copy_args",
     "import_feeds",
@@ -134,8 +135,17 @@ def import_copy_args(
 _ROLES = ("source", "destination")
 
 
+class DeviceSource(Protocol):
+    """Where imports look for importers: the EP devices of an environment's registered
+    libraries (`aioep.Environment` is one)."""
+
+    def ep_devices(self) -> list[EpDevice]:
+        """The registered EP devices, in registration order."""
+        ...
+
+
 def import_value(
-    env: Environment, value: object, role: str, *, writable: bool = False
+    env: DeviceSource, value: object, role: str, *, writable: bool = False
 ) -> tuple[Tensor | np.ndarray[Any, Any], NotificationImpl | None]:
     """`as_tensor` with ``env``'s importers and no stream (a value bound for later
     use: IOBinding)."""
@@ -144,11 +154,12 @@ def import_value(
     )
 
 
-def _env_importers(env: Environment) -> list[MemoryImporter]:
-    return importers_of(lib.factory for lib in list(env._libraries.values()))
+def _env_importers(env: DeviceSource) -> list[MemoryImporter]:
+    # The factories of the registered libraries, each once, in registration order.
+    return importers_of(dict.fromkeys(device.factory for device in env.ep_devices()))
 
 
-async def import_feeds(env: Environment, inputs: Any, stream: SyncStream | None) -> Any:
+async def import_feeds(env: DeviceSource, inputs: Any, stream: SyncStream | None) -> Any:
     """A session run's ``inputs`` with foreign values imported (the mapping itself when it
     holds none). The producers' pending work is waited for: on ``stream``, on the device,
     or awaited here without blocking the loop."""

@@ -5,18 +5,29 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._base.errors import InvalidArgument
 from .._base.types import HardwareDevice, MemoryInfo, MemoryType
 from .._base.validate import check_options, check_type
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .factory import EpFactory
     from .stream import SyncStream
 
-__all__ = ["EpDevice"]
+__all__ = ["EpDevice", "StreamMaker", "bind_device", "device_owner"]
+
+
+class StreamMaker(Protocol):
+    """What makes the streams of a registered EP device: the environment it is registered
+    in (`aioep.Environment` is one)."""
+
+    def create_sync_stream(
+        self, ep_device: EpDevice, options: Mapping[str, Any] | None = None
+    ) -> SyncStream:
+        """A new stream on ``ep_device``."""
+        ...
+
 
 _SEMVER = re.compile(r"^\d+\.\d+\.\d+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?$")
 
@@ -77,7 +88,7 @@ class EpDevice:
         self._memory_infos = dict(memory_infos)
         self.ep_metadata: Mapping[str, str] = MappingProxyType(metadata)
         self.ep_options: Mapping[str, str] = MappingProxyType(dict(ep_options or {}))
-        self._env: Environment | None = None
+        self._env: StreamMaker | None = None
 
     @property
     def ep_name(self) -> str:
@@ -120,3 +131,14 @@ class EpDevice:
             f"<EpDevice {self.ep_name!r} {self.hardware.type.name} "
             f"vendor={self.hardware.vendor!r} id={self.hardware.device_id}>"
         )
+
+
+def bind_device(device: EpDevice, owner: StreamMaker | None) -> None:
+    """Register ``device`` with ``owner`` (the environment that registered its library), or
+    unbind it (None) when the library goes."""
+    device._env = owner
+
+
+def device_owner(device: EpDevice) -> StreamMaker | None:
+    """What ``device`` is registered with (its environment), or None."""
+    return device._env

@@ -29,21 +29,45 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy.typing as npt
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo, MemoryType
+from .device import StreamMaker
 from .tensor import Tensor
 
 if TYPE_CHECKING:
-    from .._environment.environment import Environment
     from .._graph.graph import GraphView, Node
     from .device import EpDevice
     from .stream import SyncStream
 
-__all__ = ["CompiledNode", "Ep", "FusedGroup", "IndexedSubGraph", "MetaDef"]
+__all__ = [
+    "CompiledNode",
+    "Ep",
+    "EpEnvironment",
+    "FusedGroup",
+    "IndexedSubGraph",
+    "MetaDef",
+    "bind_ep",
+]
+
+
+class EpEnvironment(StreamMaker, Protocol):
+    """What an EP reaches of the environment of its session (`aioep.Environment` is one):
+    memory from its shared allocators and streams on its devices."""
+
+    def empty(
+        self,
+        shape: Sequence[int] | int,
+        dtype: npt.DTypeLike,
+        memory_info: MemoryInfo | None = None,
+        *,
+        stream: SyncStream | None = None,
+    ) -> Tensor:
+        """An uninitialised tensor from the shared allocator of ``memory_info``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -131,15 +155,11 @@ class Ep(abc.ABC):
     [`memory_info`][aioep.abc.Ep.memory_info]."""
 
     def __init__(self) -> None:
-        self._environment: Environment | None = None
+        self._environment: EpEnvironment | None = None
         self._ep_devices: tuple[EpDevice, ...] = ()
 
-    def _bind(self, environment: Environment, ep_devices: Sequence[EpDevice]) -> None:
-        self._environment = environment
-        self._ep_devices = tuple(ep_devices)
-
     @property
-    def environment(self) -> Environment:
+    def environment(self) -> EpEnvironment:
         """The environment of the session that uses this EP."""
         if self._environment is None:
             raise ClosedError(f"{self!r} is not bound to a session yet")
@@ -193,3 +213,9 @@ class Ep(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def bind_ep(ep: Ep, environment: EpEnvironment, ep_devices: Sequence[EpDevice]) -> None:
+    """Give ``ep`` the environment and the EP devices of the session that uses it."""
+    ep._environment = environment
+    ep._ep_devices = tuple(ep_devices)

@@ -29,7 +29,7 @@ from .._environment.environment import set_session_factory
 from .._graph.graph import GraphView
 from .._graph.ort_compat import check_opsets
 from .._plugin.device import EpDevice
-from .._plugin.ep import Ep
+from .._plugin.ep import Ep, bind_ep
 from .._plugin.stream import SyncStream
 from .._plugin.tensor import Tensor
 from .cpu_fallback import load_whole
@@ -202,7 +202,7 @@ def _create_ep(env: Environment, devs: list[EpDevice], ep_options: Mapping[str, 
         raise InvalidArgument(
             f"factory {factory.name!r}.create_ep returned {ep!r}, not an aioep.Ep"
         )
-    ep._bind(env, devs)
+    bind_ep(ep, env, devs)
     return ep
 
 
