@@ -23,13 +23,14 @@ from .._base.budget import InlineBudget
 from .._base.errors import InvalidArgument, translate_backend_error
 from .._base.types import HOST_EP_NAME, HOST_MEMORY_DEVICE
 from .._memory.foreign import import_copy_args, importers_of
+from .._plugin.copy_check import copy_pair, copy_pairs
 from .._plugin.importer import MemoryImporter
 from .._plugin.notification import Notification, notification_of, wait_blocking
 from .._plugin.ownership import Scope, owned_by
 from .._plugin.routes import RouteCache
 from .._plugin.stream import SyncStream, check_open, note_enqueued
 from .._plugin.stream_impl import HostNotification, NotificationImpl, ThreadStream
-from .._plugin.tensor import Tensor, copy_pair, copy_pairs, wrap_array
+from .._plugin.tensor import Tensor, wrap_array
 from .._plugin.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers, lower_thread_priority

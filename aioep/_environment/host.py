@@ -25,11 +25,11 @@ from .._base.types import (
 )
 from .._copies.workers import COPY_THREAD_NICE, lower_thread_priority
 from .._plugin.allocator import Allocator
+from .._plugin.buffer import HOST_MEMORY_INFO, Buffer
 from .._plugin.device import EpDevice
 from .._plugin.factory import EpFactory, FactoryOptions
 from .._plugin.importer import HostMemoryImporter, MemoryImporter
 from .._plugin.stream_impl import StreamImpl, ThreadStream
-from .._plugin.tensor import HOST_MEMORY_INFO, Buffer
 from .._plugin.transfer import CopyPair, DataTransfer
 
 if TYPE_CHECKING:

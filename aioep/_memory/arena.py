@@ -50,8 +50,8 @@ from .._plugin.allocator import (
     check_stream,
     set_origin,
 )
+from .._plugin.buffer import Buffer, new_buffer
 from .._plugin.stream import SyncStream, sync_point
-from .._plugin.tensor import Buffer, new_buffer
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
 from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
 from .arena_regions import RegionReturns, free_handles

@@ -12,8 +12,8 @@ from .arena_config import ArenaConfig, ArenaExtendStrategy
 from .bfc import Region
 
 if TYPE_CHECKING:
+    from .._plugin.buffer import Buffer
     from .._plugin.notification import Notification
-    from .._plugin.tensor import Buffer
 
 __all__ = ["RegionReturns", "RegionSizer"]
 

@@ -20,12 +20,13 @@ import numpy as np
 
 from .._base.errors import InvalidArgument
 from .._base.validate import describe
+from .._plugin.buffer import Buffer, ImportedBuffer
 from .._plugin.exports import handed_out
 from .._plugin.importer import MemoryImporter
 from .._plugin.notification import Notification
 from .._plugin.stream import SyncStream
 from .._plugin.stream_impl import NotificationImpl, StreamImpl
-from .._plugin.tensor import Buffer, ImportedBuffer, Tensor, imported_host_tensor
+from .._plugin.tensor import Tensor, imported_host_tensor
 from .dlpack import (
     MAX_VERSION,
     DLDeviceType,

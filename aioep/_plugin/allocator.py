@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo
 from .._base.validate import MAX_DIM
+from .buffer import Buffer
 from .stream import SyncStream
-from .tensor import Buffer
 
 if TYPE_CHECKING:
     from .ownership import Origin

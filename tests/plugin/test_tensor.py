@@ -12,7 +12,8 @@ import pytest
 from _factories import FAKE_INFO, FakeGpuFactory
 
 import aioep
-from aioep._plugin.tensor import HOST_MEMORY_INFO, object_tensor
+from aioep._plugin.buffer import HOST_MEMORY_INFO
+from aioep._plugin.tensor import object_tensor
 
 pytestmark = pytest.mark.anyio
 
