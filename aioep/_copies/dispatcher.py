@@ -29,8 +29,9 @@ from .._plugin.notification import Notification, notification_of, wait_blocking
 from .._plugin.ownership import Scope, owned_by
 from .._plugin.routes import RouteCache
 from .._plugin.stream import SyncStream, check_open, note_enqueued
-from .._plugin.stream_impl import HostNotification, NotificationImpl, ThreadStream
+from .._plugin.stream_impl import NotificationImpl
 from .._plugin.tensor import Tensor, wrap_array
+from .._plugin.thread_stream import HostNotification, ThreadStream
 from .._plugin.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers, lower_thread_priority

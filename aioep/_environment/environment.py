@@ -42,8 +42,8 @@ from .._plugin.allocator import Allocator, allocator_origin
 from .._plugin.device import EpDevice, device_owner
 from .._plugin.ownership import Scope
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification
 from .._plugin.tensor import Tensor
+from .._plugin.thread_stream import HostNotification
 from .._plugin.transfer import TensorLike
 from .._session.initializers import ExternalDataLoader, load_initializers
 from .host import HostFactory

@@ -29,7 +29,8 @@ from .._plugin.buffer import HOST_MEMORY_INFO, Buffer
 from .._plugin.device import EpDevice
 from .._plugin.factory import EpFactory, FactoryOptions
 from .._plugin.importer import HostMemoryImporter, MemoryImporter
-from .._plugin.stream_impl import StreamImpl, ThreadStream
+from .._plugin.stream_impl import StreamImpl
+from .._plugin.thread_stream import ThreadStream
 from .._plugin.transfer import CopyPair, DataTransfer
 
 if TYPE_CHECKING:

@@ -36,7 +36,8 @@ from .._plugin.allocator import Allocator
 from .._plugin.device import EpDevice, bind_device
 from .._plugin.factory import EpFactory
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification, StreamImpl
+from .._plugin.stream_impl import StreamImpl
+from .._plugin.thread_stream import HostNotification
 from .._plugin.transfer import DataTransfer
 from .._session.initializers import ExternalDataLoader
 from .host import host_hardware_device

@@ -5,8 +5,8 @@ What a backend implements, as ORT's plugin EP API names it: ``factory`` (`EpFact
 the memory it hands out, and `ImportedBuffer`: they name each other, as cuda.core keeps
 ``Buffer`` beside its memory resource),
 ``transfer`` (`DataTransfer`, ``OrtDataTransferImpl``), ``stream_impl`` (`StreamImpl` and
-`NotificationImpl`, ``OrtSyncStreamImpl`` and ``OrtSyncNotificationImpl``, and
-`ThreadStream`, a stream on a worker thread), ``ep`` (`Ep`, ``OrtEp``), ``loader``
+`NotificationImpl`, ``OrtSyncStreamImpl`` and ``OrtSyncNotificationImpl``),
+``thread_stream`` (`ThreadStream`, a stream on a worker thread, and its notification), ``ep`` (`Ep`, ``OrtEp``), ``loader``
 (`ExternalDataLoader`) and ``importer`` (`MemoryImporter`). The objects those pass:
 ``device`` (`EpDevice`), ``stream`` (`SyncStream`), ``notification`` (`Notification`),
 ``tensor`` (`Tensor`), ``copy_check`` (which copy batches the copy fast path takes as

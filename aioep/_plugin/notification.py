@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
-from .stream_impl import NotificationImpl, StreamImpl, ThreadStream
+from .stream_impl import NotificationImpl, StreamImpl
+from .thread_stream import ThreadStream
 from .wake import checkpoint, poll, wait_for, waker_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
