@@ -2,8 +2,8 @@
 ``BFCArena`` / ``StreamAwareArena``).
 
 Layers: the BFC core (``bfc``: bins, chunks, regions, split and merge, no streams or
-locks), the stream-aware pools (``arena_pool``: the stream rule, parked chunks, a
-core for small requests and one for large ones, growth), region sizing and give-back
+locks), the stream-aware pools (``arena_pool``: a core for small requests and one for
+large ones, growth; ``arena_parking``: the stream rule, parked and cached chunks), region sizing and give-back
 (``arena_regions``), size classes (``arena_sizes``), the buffers and their lock-free
 release (``arena_buffer``), and locking and statistics here. The arena reserves
 large regions from a base allocator and the cores carve them into chunks.
@@ -52,7 +52,8 @@ from .._plugin.buffer import Buffer, new_buffer
 from .._plugin.stream import SyncStream
 from .arena_buffer import _LOCK_FREE, _ArenaBuffer, _release_locked
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
-from .arena_pool import PARK_MAX, StreamPool
+from .arena_parking import PARK_MAX
+from .arena_pool import StreamPool
 from .arena_regions import RegionReturns, free_handles
 from .arena_sizes import _FINE_SHIFT, _NO_TABLE, _TABLE_SHIFT, SizeClasses
 from .bfc import MIN_ALLOCATION_SIZE, Chunk, Region
@@ -338,8 +339,8 @@ class ArenaAllocator(Allocator):
         self._begin()
         try:
             self._pool.flush()
-            self._bytes_in_use -= self._pool.dropped_req
-            self._pool.dropped_req = 0
+            self._bytes_in_use -= self._pool.parking.dropped_req
+            self._pool.parking.dropped_req = 0
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,

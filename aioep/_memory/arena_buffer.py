@@ -12,7 +12,7 @@ from typing import Protocol
 
 from .._plugin.buffer import Buffer
 from .._plugin.stream import sync_point
-from .arena_pool import MAX_PARKED
+from .arena_parking import MAX_PARKED
 from .bfc import Chunk
 
 __all__ = ["_LOCK_FREE", "_ArenaBuffer", "_release_locked"]

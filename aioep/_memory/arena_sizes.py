@@ -4,7 +4,7 @@ chunks by request size."""
 from __future__ import annotations
 
 from .arena_config import SIZE_MAX
-from .arena_pool import PARK_MAX
+from .arena_parking import PARK_MAX
 from .bfc import Chunk
 
 __all__ = ["SizeClasses"]
