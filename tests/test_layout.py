@@ -270,13 +270,8 @@ _RELAYERING = "the core's re-layering (issue 34) splits it"
 OVERSIZE = {
     "aioep/_environment/environment.py::Environment": _RELAYERING,
     "aioep/_environment/registry.py::LibraryRegistry": _RELAYERING,
-    "aioep/_memory/arena.py": _RELAYERING,
     "aioep/_memory/arena.py::ArenaAllocator": _RELAYERING,
-    "aioep/_memory/arena_pool.py": _RELAYERING,
-    "aioep/_memory/arena_pool.py::StreamPool": _RELAYERING,
     "aioep/_session/session.py": _RELAYERING,
-    "aioep/_plugin/stream_impl.py": _RELAYERING,
-    "aioep/_plugin/tensor.py": _RELAYERING,
     "aioep/_tools/bench.py": _RELAYERING,
 }
 
