@@ -44,6 +44,7 @@ from ._memory.arena import ArenaAllocator as ArenaAllocator
 from ._memory.arena import ArenaConfig as ArenaConfig
 from ._memory.arena import ArenaExtendStrategy as ArenaExtendStrategy
 from ._plugin.allocator import Allocator as Allocator
+from ._plugin.buffer import Buffer as Buffer
 from ._plugin.device import EpDevice as EpDevice
 from ._plugin.ep import CompiledNode as CompiledNode
 from ._plugin.ep import Ep as Ep
@@ -53,7 +54,6 @@ from ._plugin.ep import MetaDef as MetaDef
 from ._plugin.factory import EpFactory as EpFactory
 from ._plugin.notification import Notification as Notification
 from ._plugin.stream import SyncStream as SyncStream
-from ._plugin.tensor import Buffer as Buffer
 from ._plugin.tensor import Tensor as Tensor
 from ._session.io_binding import IOBinding as IOBinding
 from ._session.node_arg import NodeArg as NodeArg

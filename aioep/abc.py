@@ -59,6 +59,7 @@ from ._memory.dlpack import dlpack_capsule as dlpack_capsule
 from ._memory.dlpack import dlpack_dtype as dlpack_dtype
 from ._memory.dlpack import live_dlpack_exports as live_dlpack_exports
 from ._plugin.allocator import Allocator as Allocator
+from ._plugin.buffer import HOST_MEMORY_INFO as HOST_MEMORY_INFO
 from ._plugin.ep import CompiledNode as CompiledNode
 from ._plugin.ep import Ep as Ep
 from ._plugin.ep import FusedGroup as FusedGroup
@@ -68,12 +69,11 @@ from ._plugin.factory import EpFactory as EpFactory
 from ._plugin.factory import FactoryOptions as FactoryOptions
 from ._plugin.importer import MemoryImporter as MemoryImporter
 from ._plugin.loader import ExternalDataLoader as ExternalDataLoader
-from ._plugin.stream_impl import HostNotification as HostNotification
 from ._plugin.stream_impl import NotificationImpl as NotificationImpl
 from ._plugin.stream_impl import StreamImpl as StreamImpl
-from ._plugin.stream_impl import ThreadStream as ThreadStream
-from ._plugin.tensor import HOST_MEMORY_INFO as HOST_MEMORY_INFO
 from ._plugin.tensor import register_dlpack_exporter as register_dlpack_exporter
+from ._plugin.thread_stream import HostNotification as HostNotification
+from ._plugin.thread_stream import ThreadStream as ThreadStream
 from ._plugin.transfer import CopyPair as _CopyPair
 from ._plugin.transfer import DataTransfer as DataTransfer
 

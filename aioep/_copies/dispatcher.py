@@ -23,13 +23,15 @@ from .._base.budget import InlineBudget
 from .._base.errors import InvalidArgument, translate_backend_error
 from .._base.types import HOST_EP_NAME, HOST_MEMORY_DEVICE, MemoryDevice
 from .._memory.foreign import import_copy_args
+from .._plugin.copy_check import copy_pair, copy_pairs
 from .._plugin.importer import MemoryImporter
-from .._plugin.notification import Notification, wait_blocking
+from .._plugin.notification import Notification, notification_of, wait_blocking
 from .._plugin.ownership import Scope, owned_by
 from .._plugin.routes import RouteCache
-from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification, NotificationImpl, ThreadStream
-from .._plugin.tensor import Tensor, copy_pair, copy_pairs, wrap_array
+from .._plugin.stream import SyncStream, check_open, note_enqueued
+from .._plugin.stream_impl import NotificationImpl
+from .._plugin.tensor import Tensor, wrap_array
+from .._plugin.thread_stream import HostNotification, ThreadStream
 from .._plugin.transfer import CopyPair, CopyPlan, DataTransfer, TensorLike, plan_copies
 from .future import _PENDING, COMPLETED, Completed, CopyFuture, done_future
 from .workers import CopyWorkers, lower_thread_priority
@@ -148,7 +150,7 @@ class CopyDispatcher:
             return self._copy_unstreamed(plan, waits)
         if type(stream) is not SyncStream and not isinstance(stream, SyncStream):
             raise InvalidArgument(f"copy_tensors: stream must be a SyncStream, got {stream!r}")
-        stream._check_open()
+        check_open(stream)
         stream_lib = self._stream_library(stream)
         impl = stream.impl
         # A worker-thread stream packs strided sources itself, in order before the copies.
@@ -185,7 +187,7 @@ class CopyDispatcher:
                 if error is exc:
                     raise
                 raise error from exc
-        stream._enqueued()
+        note_enqueued(stream)
         mark = stream.record()
         future = CopyFuture(plan.src + plan.dst, plan.dst, mark, stream, on_done=self._forget)
         self._track(future, frozenset(plan.libraries | {stream_lib}))
@@ -224,7 +226,7 @@ class CopyDispatcher:
             if error is exc:
                 raise
             raise error from exc
-        stream._enqueued()
+        note_enqueued(stream)
         future = CopyFuture(
             sources, dests, stream.record(), stream, on_done=self._forget, pinned=users
         )
@@ -263,7 +265,7 @@ class CopyDispatcher:
         future = CopyFuture(
             sources,
             dests,
-            Notification._of(started),
+            notification_of(started),
             _describe(transfer),
             on_done=self._forget,
             pinned=users,
@@ -395,7 +397,7 @@ class CopyDispatcher:
         """Run ``plan`` on a copy worker, which completes the future's notification."""
         signal = HostNotification()
         what = " / ".join(_describe(t) for t, _ in plan.groups)
-        mark = Notification._of(signal)
+        mark = notification_of(signal)
         future = CopyFuture(plan.src + plan.dst, plan.dst, mark, what, on_done=self._forget)
         self._track(future, frozenset(plan.libraries))
         self._get_workers().submit(functools.partial(run, plan, self._budget, signal))
@@ -532,7 +534,7 @@ def _route_of(pairs: Sequence[CopyPair]) -> Hashable:
 
 
 def _nbytes(pairs: Sequence[CopyPair]) -> int:
-    return sum(s._nbytes for s, _ in pairs)
+    return sum(s.nbytes for s, _ in pairs)
 
 
 def _describe(transfer: DataTransfer) -> str:

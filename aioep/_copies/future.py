@@ -11,9 +11,10 @@ from typing import Any
 
 from .._base.errors import EpError, InvalidArgument
 from .._base.validate import check_timeout
+from .._plugin.buffer import pin_for, unpin
 from .._plugin.notification import Notification, device_error
 from .._plugin.stream_impl import NotificationImpl, StreamImpl, call_reporting
-from .._plugin.tensor import Tensor, pin_for, unpin
+from .._plugin.tensor import Tensor
 from .._plugin.wake import (
     checkpoint,
     flush_held_wakeups,

@@ -37,7 +37,7 @@ from .._base.types import (
 from .._base.validate import check_options, check_type
 from .._copies.dispatcher import CopyDispatcher
 from .._copies.future import CopyFuture
-from .._plugin.allocator import Allocator
+from .._plugin.allocator import Allocator, allocator_origin
 from .._plugin.device import EpDevice
 from .._plugin.ownership import Scope
 from .._plugin.stream import SyncStream
@@ -115,7 +115,7 @@ def _environment_for(src: Sequence[Any], dst: Sequence[Any]) -> Environment:
             if type(t) is not Tensor:
                 continue
             allocator = t.buffer.allocator
-            origin = None if allocator is None else allocator._origin
+            origin = None if allocator is None else allocator_origin(allocator)
             if origin is None or t.buffer.memory_info.device.is_host_accessible:
                 continue
             env = origin.scope.env

@@ -25,11 +25,12 @@ from .._base.types import (
 )
 from .._copies.workers import COPY_THREAD_NICE, lower_thread_priority
 from .._plugin.allocator import Allocator
+from .._plugin.buffer import HOST_MEMORY_INFO, Buffer
 from .._plugin.device import EpDevice
 from .._plugin.factory import EpFactory, FactoryOptions
 from .._plugin.importer import HostMemoryImporter, MemoryImporter
-from .._plugin.stream_impl import StreamImpl, ThreadStream
-from .._plugin.tensor import HOST_MEMORY_INFO, Buffer
+from .._plugin.stream_impl import StreamImpl
+from .._plugin.thread_stream import ThreadStream
 from .._plugin.transfer import CopyPair, DataTransfer
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class HostDataTransfer(DataTransfer):
     def can_copy_inline(self, pairs: Sequence[CopyPair]) -> bool:
         """True unless the batch is big enough to be split across threads (which waits
         for them): every other batch is a memmove on the calling thread."""
-        return sum(s._nbytes for s, _ in pairs) < 2 * self.parallel_threshold
+        return sum(s.nbytes for s, _ in pairs) < 2 * self.parallel_threshold
 
     def copy_tensors(self, pairs: Sequence[CopyPair], stream: StreamImpl | None) -> None:
         jobs = [(d.data_ptr, s.data_ptr, s.nbytes) for s, d in pairs if s.nbytes]

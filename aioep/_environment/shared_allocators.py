@@ -19,7 +19,7 @@ from .._base.types import (
     MemoryInfo,
     MemoryType,
 )
-from .._plugin.allocator import Allocator
+from .._plugin.allocator import Allocator, set_origin
 from .._plugin.ownership import Origin, Scope
 from .._plugin.tensor import Tensor, tensor_layout, tensor_over
 
@@ -48,7 +48,7 @@ def make_allocator(
             f"factory {lib.factory.name!r}.create_allocator returned {allocator!r}, "
             "not an aioep.Allocator"
         )
-    allocator._origin = Origin(scope, lib.name)
+    set_origin(allocator, Origin(scope, lib.name))
     lib.allocators.append(allocator)
     return allocator
 

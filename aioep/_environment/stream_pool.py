@@ -5,7 +5,7 @@ A server whose requests outnumber the streams worth having borrows one per reque
 they share PyTorch's pooled CUDA streams: work on a stream runs in order anyway, and each
 request awaits its own futures. So the streams (on the sim, one worker thread each) stay
 bounded by the pool's size, not by the requests. Each borrower enqueues in an error lane of
-its own (``aioep._plugin.stream_impl.ErrorLane``): a device error reaches only the work
+its own (``aioep._plugin.thread_stream.ErrorLane``): a device error reaches only the work
 that failed, never the next borrower's.
 
 The registry keeps one `StreamRing` per EP device in the library that offers it,
@@ -25,7 +25,7 @@ import anyio.to_thread
 from .._base.errors import EpError, InUseError
 from .._plugin.notification import Notification
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import ErrorLane, HostNotification, enter_lane, leave_lane
+from .._plugin.thread_stream import ErrorLane, HostNotification, enter_lane, leave_lane
 
 if TYPE_CHECKING:
     from .._plugin.device import EpDevice

@@ -14,7 +14,8 @@ from .._base.types import MemoryDevice, MemoryType
 from .._plugin.device import EpDevice
 from .._plugin.factory import EpFactory
 from .._plugin.stream import SyncStream
-from .._plugin.stream_impl import HostNotification, StreamImpl
+from .._plugin.stream_impl import StreamImpl
+from .._plugin.thread_stream import HostNotification
 from .library import Library
 from .stream_pool import PooledStream, Reservation, StreamLease, StreamRing
 

@@ -2,7 +2,7 @@
 
 ``graph`` (`GraphView`, its nodes and initializers), ``types`` (value and
 node types), ``inference`` (shape inference), ``order`` (topological order),
-``onnx_models`` (models for a subgraph, for the CPU fallback) and ``ort_compat`` (what the
+``onnx_models`` (whole models as onnxruntime loads them) and ``ort_compat`` (what the
 installed onnxruntime reads).
 
 Imports only ``_base``: the graph knows no device.

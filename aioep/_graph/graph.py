@@ -15,10 +15,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from .._base.errors import InvalidArgument, NoSuchFile
+from .._base.errors import InvalidArgument, NoSuchFile, NotImplementedByEp
 from .inference import GraphValues
-from .onnx_models import extract_model
 from .order import grouped_runs, topological_order
+from .ort_compat import ir_version_for_ort
 from .types import (
     _GRAPH_ATTRIBUTE_TYPES,
     Initializer,
@@ -33,7 +33,7 @@ from .types import (
 if TYPE_CHECKING:
     from onnx import ModelProto
 
-__all__ = ["GraphView", "Initializer", "Node", "ValueInfo"]
+__all__ = ["GraphView", "Initializer", "Node", "ValueInfo", "with_assigned"]
 
 
 def _outer_scope_reads(graph: Any) -> set[str]:
@@ -280,13 +280,6 @@ class GraphView:
         """Indices of the nodes no higher-priority EP has claimed yet."""
         return tuple(i for i in range(len(self.nodes)) if i not in self._assigned)
 
-    def _with_assigned(self, assigned: Mapping[int, str]) -> GraphView:
-        view = object.__new__(GraphView)
-        for name in GraphView.__slots__:
-            object.__setattr__(view, name, getattr(self, name))
-        view._assigned = MappingProxyType(dict(assigned))
-        return view
-
     def boundary(self, indices: Iterable[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(inputs, outputs) of a node group: the values it reads from outside (initializers
         included) and the values it makes that are read outside or are graph outputs."""
@@ -368,3 +361,69 @@ class GraphView:
     def __repr__(self) -> str:
         where = f" {str(self.model_path)!r}" if self.model_path is not None else ""
         return f"<GraphView{where} nodes={len(self.nodes)} inputs={len(self.inputs)} outputs={len(self.outputs)}>"
+
+
+def with_assigned(graph: GraphView, assigned: Mapping[int, str]) -> GraphView:
+    """A view of ``graph`` whose nodes in ``assigned`` are taken (node index -> EP name): what
+    the partitioner shows the next EP."""
+    view = object.__new__(GraphView)
+    for name in GraphView.__slots__:
+        object.__setattr__(view, name, getattr(graph, name))
+    view._assigned = MappingProxyType(dict(assigned))
+    return view
+
+
+def extract_model(
+    graph: GraphView,
+    indices: Iterable[int],
+    inputs: Sequence[str] | None = None,
+    outputs: Sequence[str] | None = None,
+    *,
+    load_external_data: bool = True,
+) -> Any:
+    """A standalone ``onnx.ModelProto`` that computes a node group of ``graph``; see
+    `GraphView.extract_model`."""
+    onnx = _onnx()
+    helper = onnx.helper
+    source = graph.model
+    group = sorted(set(indices))
+    b_in, b_out = graph.boundary(group)
+    inputs = b_in if inputs is None else tuple(inputs)
+    outputs = b_out if outputs is None else tuple(outputs)
+    inits = []
+    graph_inputs = []
+    for name in inputs:
+        init = graph.initializers.get(name)
+        if init is not None:
+            if init.external and load_external_data:
+                inits.append(onnx.numpy_helper.from_array(init.numpy(), name))
+            else:
+                inits.append(init.proto)
+        else:
+            graph_inputs.append(_value_info_proto(graph, helper, name))
+    model = helper.make_model(
+        helper.make_graph(
+            [graph.nodes[i].proto for i in group],
+            f"{source.graph.name or 'graph'}_part",
+            graph_inputs,
+            [_value_info_proto(graph, helper, name) for name in outputs],
+            initializer=inits,
+        ),
+        opset_imports=list(source.opset_import),
+        ir_version=ir_version_for_ort(source),
+    )
+    model.functions.extend(source.functions)
+    return model
+
+
+def _value_info_proto(graph: GraphView, helper: Any, name: str) -> Any:
+    info = graph.value_info(name)
+    if info is None or info.kind == "unknown":
+        raise NotImplementedByEp(
+            f"the type of value {name!r} is unknown (ONNX shape inference could not find it), "
+            "so the graph cannot be split there"
+        )
+    if info.kind != "tensor":
+        return helper.make_value_info(name, info.type_proto)
+    shape = None if info.shape is None else list(info.shape)
+    return helper.make_tensor_value_info(name, info.elem_type, shape)

@@ -2,9 +2,10 @@
 ``BFCArena`` / ``StreamAwareArena``).
 
 Layers: the BFC core (``bfc``: bins, chunks, regions, split and merge, no streams or
-locks), the stream-aware pools (``arena_pool``: the stream rule, parked chunks, a
-core for small requests and one for large ones, growth), region sizing and give-back
-(``arena_regions``), and locking, buffers and statistics here. The arena reserves
+locks), the stream-aware pools (``arena_pool``: a core for small requests and one for
+large ones, growth; ``arena_parking``: the stream rule, parked and cached chunks), region sizing and give-back
+(``arena_regions``), size classes (``arena_sizes``), the buffers and their lock-free
+release (``arena_buffer``), and locking and statistics here. The arena reserves
 large regions from a base allocator and the cores carve them into chunks.
 
 Stream rule (ORT's, made a little stricter): a chunk freed by a buffer that was
@@ -34,143 +35,35 @@ path (the lists still serve it, under the lock).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
-import operator
-import sys
 import threading
 
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import AllocatorType
-from .._plugin.allocator import Allocator, check_nbytes, check_stream
+from .._plugin.allocator import (
+    Allocator,
+    allocator_origin,
+    check_nbytes,
+    check_stream,
+    set_origin,
+)
+from .._plugin.buffer import Buffer, new_buffer
 from .._plugin.stream import SyncStream
-from .._plugin.tensor import Buffer
+from .arena_buffer import _LOCK_FREE, _ArenaBuffer, _release_locked
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
-from .arena_pool import MAX_PARKED, PARK_MAX, StreamPool
+from .arena_parking import PARK_MAX
+from .arena_pool import StreamPool
 from .arena_regions import RegionReturns, free_handles
+from .arena_sizes import _FINE_SHIFT, _NO_TABLE, _TABLE_SHIFT, SizeClasses
 from .bfc import MIN_ALLOCATION_SIZE, Chunk, Region
 
 __all__ = ["SIZE_MAX", "ArenaAllocator", "ArenaConfig", "ArenaExtendStrategy"]
-
-# The lock-free paths (see the module docstring) need the GIL.
-_LOCK_FREE = bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-# The hit path finds a small request's size class by its size >> 8 (classes are whole
-# multiples of the 256-byte unit); the table where hits are off.
-_TABLE_SHIFT = 8
-_NO_TABLE = (None,) * (PARK_MAX >> _TABLE_SHIFT)
-
-# Size classes: above 16 units (4 KiB for 256-byte units) a request rounds up to one of
-# 8 classes per power of two (at most 12.5% more), so freed chunks of nearby sizes are
-# interchangeable and a recurring size is a list lookup (PyTorch's roundup_power2_divisions).
-_CLASS_BITS = 3
-_CLASS_SHIFT = _CLASS_BITS + 1
-# Above the fast path's sizes (PARK_MAX) classes are finer, 64 per power of two (at most
-# 1.6% more): big chunks are not kept by class (a cached one serves any request it fits
-# closely), so coarse classes would only waste memory.
-_FINE_SHIFT = 6 + 1
-
-_PIN_LOCK = threading.Lock()  # guards the pin counts of arena buffers (held for an increment)
-_new_buffer = object.__new__
-_insort = bisect.insort
-_KEY = operator.attrgetter("key")
-
-
-class _ArenaBuffer(Buffer):
-    """An arena buffer: its release (``free()`` or the last reference going) hands the
-    chunk back to the arena.
-
-    ``_chunk`` is the arena chunk until the release claims it (deleting the attribute:
-    see the module docstring), so a chunk comes back exactly once however often, and
-    from however many threads, the buffer is released. Each arena makes subclasses
-    with its ``memory_info`` and ``allocator`` (and, for host requests, ``stream``);
-    what is the same for every arena buffer is a class attribute here, so creating
-    one sets five slots (six with a stream).
-    """
-
-    __slots__ = ("_chunk",)
-    _chunk: Chunk
-    allocator: ArenaAllocator
-    readonly = False
-    _pin_lock = _PIN_LOCK
-    _on_release = None
-
-    @property
-    def _owner(self) -> object:  # type: ignore[override]
-        # Views of host memory hold the region's backing object, so reading a freed
-        # buffer through a view never touches unmapped memory.
-        chunk: Chunk | None = getattr(self, "_chunk", None)
-        return None if chunk is None else chunk.region.handle._owner  # type: ignore[attr-defined]
-
-    def _release(self) -> None:
-        """The arena buffers' release path (see ``Buffer._release``); it never waits for
-        the arena's lock. A chunk with a home list (a size class's freed chunks that
-        hits pop) goes back onto it; any other joins the arena's returned list, whose
-        chunks the arena's next locked call takes back (``ArenaAllocator._drain``).
-        Appending to a list needs no lock, and a release that runs inside the arena's
-        own locked code (garbage collection calling ``__del__``) changes nothing under
-        it. Memory that must go back to the base at once (a reserved region, a closing
-        arena) is taken back now where the lock is free."""
-        self._released = True
-        try:
-            chunk = self._chunk
-            del self._chunk  # the claim: a second release finds no chunk
-        except AttributeError:
-            return
-        arena = self.allocator
-        # No longer in use (a plain int update: see the module docstring). Its requested
-        # bytes stay counted until the chunk is handed out again or taken back.
-        arena._in_use -= chunk.size
-        home = chunk.home
-        if home is not None and (not home or len(home) < MAX_PARKED):
-            if home:
-                # Smallest first, then lowest address (hits pop(0)), as best fit would
-                # pick: one C call, which no thread switch splits.
-                _insort(home, chunk, key=_KEY)
-            else:
-                home.append(chunk)
-            if arena._lazy:
-                return
-            # The arena retired or closed meanwhile: its chunks take the locked way.
-            try:
-                home.remove(chunk)
-            except ValueError:
-                return  # the arena already took it back
-        else:
-            stream = chunk.tag
-            if stream is not None:
-                # The point in the stream's order after the work that used this chunk.
-                chunk.mark = stream._sync_id  # type: ignore[attr-defined]
-            if chunk.cls >= 0 and arena._lazy:
-                arena._returned.append(chunk)
-                return
-        arena._returned.append(chunk)
-        arena._settle()
 
 
 def _no_chunk(rounded: int) -> Chunk | None:
     """``StreamPool.take_cached`` where hits are off."""
     return None
-
-
-def _release_locked(self: _ArenaBuffer) -> None:
-    """``_ArenaBuffer._release`` without the GIL (see the module docstring): the claim
-    takes the pin lock, and every chunk goes through the returned list."""
-    with self._pin_lock:
-        if self._released:
-            return
-        self._released = True
-        chunk: Chunk | None = getattr(self, "_chunk", None)
-        if chunk is None:
-            return
-        del self._chunk
-    arena = self.allocator
-    stream = chunk.tag
-    if stream is not None:
-        chunk.mark = stream._sync_id  # type: ignore[attr-defined]
-    arena._returned.append(chunk)
-    if chunk.cls < 0 or not arena._lazy:
-        arena._settle()
 
 
 class ArenaAllocator(Allocator):
@@ -196,9 +89,12 @@ class ArenaAllocator(Allocator):
         self._lock = lock = threading.RLock()  # type: ignore[assignment]
         self.base = base
         self.config = config
-        self._origin = base._origin  # an arena's memory belongs to whoever owns its base
+        # An arena's memory belongs to whoever owns its base.
+        set_origin(self, allocator_origin(base))
         self._limit = config.limit
         self._unit = unit = max(MIN_ALLOCATION_SIZE, base.memory_info.alignment)
+        self._sizes = sizes = SizeClasses(unit)
+        self._size_class = sizes.of  # the chunk size a request gets (as alloc inlines it)
         self._returns = RegionReturns(lock, self._after_give_back)
         self._pool = pool = StreamPool(base, config, unit, self._returns)
         self._homes = pool.parked  # size class -> its list of freed host chunks (kept)
@@ -221,8 +117,7 @@ class ArenaAllocator(Allocator):
         self._host_buffer_class: type[_ArenaBuffer] = type(
             "_ArenaBuffer", (self._buffer_class,), {"__slots__": (), "stream": None}
         )
-        # Size classes need a power-of-two unit; otherwise every size is its own class.
-        self._class_from = unit << (_CLASS_BITS + 1) if unit & (unit - 1) == 0 else SIZE_MAX
+        self._class_from = sizes.class_from
         # Released chunks that the next locked call takes back (appended without the
         # lock: see _ArenaBuffer._release), and the work such a call leaves for after the
         # lock (regions to give back).
@@ -242,7 +137,7 @@ class ArenaAllocator(Allocator):
         self._num_reserves = 0
         self._max_alloc_size = 0
         if _LOCK_FREE:
-            self._table = self._size_table()
+            self._table = sizes.table(self._homes)
             if pool.cache_large:
                 self._take_cached = pool.take_cached
 
@@ -275,11 +170,7 @@ class ArenaAllocator(Allocator):
                 # held the chunk (its release left them to here).
                 self._bytes_in_use += nbytes - chunk.req
                 chunk.req = nbytes
-                buffer: _ArenaBuffer = _new_buffer(self._host_buffer_class)
-                buffer.ptr = chunk.ptr
-                buffer.nbytes = nbytes
-                buffer._pins = 0
-                buffer._released = False
+                buffer = new_buffer(self._host_buffer_class, chunk.ptr, nbytes)
                 buffer._chunk = chunk
                 return buffer
         return self._alloc(nbytes, stream)
@@ -308,16 +199,11 @@ class ArenaAllocator(Allocator):
             lock.release()
         if self._after:
             self._finish()
-        buffer: _ArenaBuffer
         if stream is None:
-            buffer = _new_buffer(self._host_buffer_class)  # its class says stream None
+            buffer = new_buffer(self._host_buffer_class, chunk.ptr, nbytes)  # stream None
         else:
-            buffer = _new_buffer(self._buffer_class)
+            buffer = new_buffer(self._buffer_class, chunk.ptr, nbytes)
             buffer.stream = stream
-        buffer.ptr = chunk.ptr
-        buffer.nbytes = nbytes
-        buffer._pins = 0
-        buffer._released = False
         buffer._chunk = chunk
         return buffer
 
@@ -412,12 +298,8 @@ class ArenaAllocator(Allocator):
             self._bytes_in_use += nbytes
         finally:
             self._end()
-        buffer: _ArenaBuffer = _new_buffer(self._buffer_class)
-        buffer.ptr = chunk.ptr
-        buffer.nbytes = nbytes
+        buffer = new_buffer(self._buffer_class, chunk.ptr, nbytes)
         buffer.stream = stream
-        buffer._pins = 0
-        buffer._released = False
         buffer._chunk = chunk
         return buffer
 
@@ -457,8 +339,8 @@ class ArenaAllocator(Allocator):
         self._begin()
         try:
             self._pool.flush()
-            self._bytes_in_use -= self._pool.dropped_req
-            self._pool.dropped_req = 0
+            self._bytes_in_use -= self._pool.parking.dropped_req
+            self._pool.parking.dropped_req = 0
             return {
                 "Limit": self._limit,
                 "InUse": self._in_use,
@@ -674,32 +556,6 @@ class ArenaAllocator(Allocator):
             self._settle()
 
     # -- internals ---------------------------------------------------------------------------
-    def _size_table(self) -> list[list[Chunk] | None]:
-        """The hit path's table: entry i is the list of freed chunks of the size class of
-        every request of ``(i << 8, (i + 1) << 8]`` bytes (None where those sizes are not
-        of one class: a unit that is not a power of two)."""
-        table: list[list[Chunk] | None] = []
-        homes = self._homes
-        for i in range(PARK_MAX >> _TABLE_SHIFT):
-            cls = self._size_class((i + 1) << _TABLE_SHIFT)
-            if self._size_class((i << _TABLE_SHIFT) + 1) != cls:
-                table.append(None)
-                continue
-            home = homes.get(cls)
-            if home is None:
-                home = homes[cls] = []
-            table.append(home)
-        return table
-
-    def _size_class(self, nbytes: int) -> int:
-        """The chunk size a request of ``nbytes`` (> 0) gets (as `alloc` inlines it)."""
-        if nbytes > self._class_from:
-            bits = (nbytes - 1).bit_length()
-            step = 1 << (bits - (_FINE_SHIFT if nbytes > PARK_MAX else _CLASS_SHIFT))
-            return (nbytes + step - 1) & -step
-        unit = self._unit
-        return (nbytes + unit - 1) // unit * unit
-
     def _after_give_back(self) -> None:
         if self._closed:
             self._maybe_retire_base()

@@ -29,13 +29,12 @@ and the search for parked chunks in a request's way starts from the parked chunk
 
 from __future__ import annotations
 
-import bisect
-import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .._base.errors import DeviceError, EpError
 from .arena_config import SIZE_MAX, ArenaConfig, ArenaExtendStrategy
+from .arena_parking import PARK_MAX, ParkedChunks, idle, usable
 from .arena_regions import RegionReturns, RegionSizer, free_handles
 from .bfc import BfcCore, Chunk, Region
 
@@ -43,49 +42,11 @@ if TYPE_CHECKING:
     from .._plugin.allocator import Allocator
     from .._plugin.stream import SyncStream
 
-__all__ = ["LARGE", "MAX_PARKED", "PARK_MAX", "SMALL", "StreamPool", "idle", "usable"]
+__all__ = ["LARGE", "SMALL", "StreamPool"]
 
 _BACKPEDAL = 0.9  # on a base-allocator failure, retry an extension this much smaller
 _RESIZE_MIN = 1 << 20  # see StreamPool.find: never resize a region for less dead space
-# Freed chunks kept per stream and size class (cached large ones: per power of two);
-# more go back to the core.
-MAX_PARKED = 16
-# A cached large chunk serves a request of ``rounded`` bytes when it is at least that and
-# less than ``rounded + (rounded >> CACHE_SHIFT)``, 1.5x (taken whole: see take_cached).
-CACHE_SHIFT = 1
-# Only chunks up to this size are parked (PyTorch's small-pool cutoff): small sizes repeat
-# often and cost little to hold; larger ones go back to the core at once, so they merge
-# and big requests find room.
-PARK_MAX = 1 << 20
 SMALL, LARGE = 0, 1  # the pools (index into StreamPool.cores)
-_bisect_left = bisect.bisect_left
-_KEY = operator.attrgetter("key")  # size << 64 | ptr, set when the chunk is handed out
-
-
-def idle(stream: SyncStream) -> bool:
-    """True when ``stream`` has completed all work enqueued so far (or is closed)."""
-    return stream._closed or stream._impl.query() is True
-
-
-def _tail_passed(stream: SyncStream, sync_id: int) -> bool:
-    """True when a notification ``stream`` recorded after point ``sync_id`` is done."""
-    tail = stream._tail
-    return tail is not None and tail._sync_table.get(stream._uid, 0) > sync_id and tail.done()
-
-
-def usable(chunk: Chunk, stream: SyncStream | None, cache: dict[int, bool]) -> bool:
-    """The stream rule: may a request on ``stream`` take this free chunk? (``cache`` holds
-    each owner's idleness for one search.)"""
-    owner: SyncStream | None = chunk.tag  # type: ignore[assignment]
-    if owner is None or owner is stream:
-        return True
-    if stream is not None and stream._sync_clock.get(owner._uid, 0) > chunk.mark:
-        return True  # stream waited on a notification owner recorded after the free
-    key = owner._uid
-    done = cache.get(key)
-    if done is None:
-        done = cache[key] = idle(owner)
-    return done or _tail_passed(owner, chunk.mark)
 
 
 class StreamPool:
@@ -125,21 +86,17 @@ class StreamPool:
         self.cores = (self.small, self.large)
         self.sizer = RegionSizer(config, unit, self.limit, len(self.cores))
         self.returns = returns
-        self.parked: dict[int, list[Chunk]] = {}
-        # Freed large host chunks kept as they are, by octave (size.bit_length()).
-        self.cached: list[list[Chunk]] = [[] for _ in range(65)]
-        self.stream_parked: dict[int, dict[SyncStream, list[Chunk]]] = {}
+        self.parking = parking = ParkedChunks()
+        # The parking's lists and its lock-free calls, as the arena and hits use them.
+        self.parked = parking.parked
+        self.cached = parking.cached
+        self.stream_parked = parking.stream_parked
+        self.take_cached = parking.take_cached
+        self.flush = parking.flush
+        self.flush_cached = parking.flush_cached
         self.max_reserved = 0
         self.shrinkages = 0
         self.tagged = False  # set once a stream allocates: free chunks may carry tags
-        # Bytes of parked chunks given back to make room (see grow_and_find) since the
-        # small pool last grew: once they pass the pool's size, the pool thrashes (the
-        # fast path's working set does not fit in it), and it grows instead.
-        self.evicted = 0
-        # Requested bytes of released host chunks taken back from their lists (the arena
-        # counts a released chunk's requested bytes until then: see ArenaAllocator.alloc).
-        self.dropped_req = 0
-        self.evicted_large = 0  # bytes of cached large chunks given back since it last grew
         self.exact = config.extend_strategy is ArenaExtendStrategy.SAME_AS_REQUESTED
         # Under SAME_AS_REQUESTED regions fit their requests, and freed large chunks go
         # back to the core at once (see find's resizing): none is cached.
@@ -168,33 +125,6 @@ class StreamPool:
                 c = c.next
 
     # -- taking ------------------------------------------------------------------------------
-    def take_cached(self, rounded: int) -> Chunk | None:
-        """The smallest cached large chunk that serves a request of ``rounded`` bytes (at
-        least that, less than ``rounded + (rounded >> CACHE_SHIFT)``: as ORT's BFC takes
-        a free chunk whole when the rest would be small), taken out of its list; None when
-        there is none. Needs no lock (hits call it): each list is kept smallest first,
-        and a chunk another thread takes first is not returned."""
-        cached = self.cached
-        b = rounded.bit_length()
-        lowest = rounded << 64
-        for chunks in (cached[b], cached[b + 1]):
-            i = _bisect_left(chunks, lowest, key=_KEY)
-            try:
-                chunk = chunks[i]
-            except IndexError:
-                continue  # none that large here (or another thread took it)
-            size = chunk.size
-            if size < rounded:  # the list changed under the search (another thread)
-                return None
-            if size >= rounded + (rounded >> CACHE_SHIFT):
-                return None  # the smallest that fits wastes too much; the next list's more
-            try:
-                chunks.remove(chunk)
-            except ValueError:  # another thread took it
-                return None
-            return chunk
-        return None
-
     def take(self, nbytes: int, rounded: int, stream: SyncStream | None, in_use: int) -> Chunk:
         """A chunk of class ``rounded`` for ``stream`` when its own parked list is empty:
         an untagged parked one, another stream's that the rule allows, the pool's best
@@ -206,7 +136,7 @@ class StreamPool:
         if stream is not None:
             self.tagged = True
         if rounded <= PARK_MAX:
-            chunk = self._take_parked(rounded, stream)
+            chunk = self.parking.take_parked(rounded, stream)
             if chunk is not None:
                 return chunk
             chunk = self.find(self.small, rounded, stream)
@@ -219,44 +149,6 @@ class StreamPool:
         # Only small chunks of the small pool are parked when freed.
         chunk.cls = rounded if rounded <= PARK_MAX and chunk.region.core is self.small else 0
         return chunk
-
-    def _take_parked(self, rounded: int, stream: SyncStream | None) -> Chunk | None:
-        """The lowest address among the parked chunks of class ``rounded`` that ``stream``
-        may take, taken out of its list; None when there is none."""
-        for _ in range(4):  # a hit may take the chosen chunk first: then look again
-            best: Chunk | None = None
-            best_list: list[Chunk] | None = None
-            host = self.parked.get(rounded)
-            if host:
-                for chunk in host[:]:  # every one is usable; hits may pop meanwhile
-                    if best is None or chunk.ptr < best.ptr:
-                        best, best_list = chunk, host
-            per = self.stream_parked.get(rounded)
-            if per:
-                cache: dict[int, bool] = {}
-                for owner, parked in per.items():
-                    if owner is stream:
-                        chunk = parked[-1]
-                        if best is None or chunk.ptr < best.ptr:
-                            best, best_list = chunk, parked
-                        continue
-                    for chunk in parked:
-                        if (best is None or chunk.ptr < best.ptr) and usable(chunk, stream, cache):
-                            best, best_list = chunk, parked
-            if best is None or best_list is None:
-                return None
-            try:
-                best_list.remove(best)
-            except ValueError:
-                continue  # a hit (on the host list, without the lock) took it
-            if not best_list and per and best_list is not host:
-                for owner, parked in list(per.items()):
-                    if not parked:
-                        del per[owner]  # streams come and go: no empty lists for them
-                if not per:
-                    del self.stream_parked[rounded]
-            return best
-        return None
 
     def find(self, core: BfcCore, rounded: int, stream: SyncStream | None) -> Chunk | None:
         """``core``'s best-fitting chunk that ``stream`` may use, or None.
@@ -317,7 +209,9 @@ class StreamPool:
         # evicting (twice the large pool since it last grew) while under a quarter of the
         # arena is in use: then the cache's working set does not fit, and the pool grows
         # (as for parked chunks, below; a busy arena never grows for its cache).
-        thrashing = self.evicted_large > 2 * self.large.reserved and in_use * 4 <= self.reserved
+        thrashing = (
+            self.parking.evicted_large > 2 * self.large.reserved and in_use * 4 <= self.reserved
+        )
         if not thrashing and self.flush_cached():
             chunk = self._find_anywhere(rounded, stream, pool)
             if chunk is not None:
@@ -326,7 +220,11 @@ class StreamPool:
         # first), unless that keeps evicting more than the small pool holds: then the fast
         # path's working set does not fit, and the pool grows instead (amortized: each
         # growth follows at most the pool's size in evictions, and the pool doubles).
-        if self.parked and self.evicted < self.small.reserved and self.flush_run(rounded):
+        if (
+            self.parked
+            and self.parking.evicted < self.small.reserved
+            and self.parking.flush_run(rounded)
+        ):
             chunk = self._find_anywhere(rounded, stream, pool)
             if chunk is not None:
                 return chunk
@@ -357,7 +255,7 @@ class StreamPool:
         """Under pressure (the arena cannot extend): the parked chunks in the way of the
         request go back, then every parked chunk, then the other pool is tried and the
         regions that became wholly free go back for one more extension."""
-        if self.parked and self.flush_run(rounded):
+        if self.parked and self.parking.flush_run(rounded):
             chunk = self.find(self.small, rounded, stream)
             if chunk is not None:
                 return chunk
@@ -424,9 +322,9 @@ class StreamPool:
             ) from exc
         region = self.cores[pool].add_region(buffer.ptr, size, buffer, dedicated=dedicated)
         if pool == SMALL:
-            self.evicted = 0
+            self.parking.evicted = 0
         else:
-            self.evicted_large = 0
+            self.parking.evicted_large = 0
         reserved = self.reserved
         if reserved > self.max_reserved:
             self.max_reserved = reserved
@@ -457,7 +355,7 @@ class StreamPool:
         region = chunk.region
         core: BfcCore = region.core  # type: ignore[assignment]
         if not region.dedicated and not closed:
-            if not chunk.cls or not self.park(chunk, stream):
+            if not chunk.cls or not self.parking.park(chunk, stream):
                 core.free(chunk, chunk.tag, chunk.mark)
             return None  # the region stays, free or not, until pressure or shrink()
         merged = core.free(chunk, chunk.tag, chunk.mark)
@@ -469,180 +367,11 @@ class StreamPool:
         self.returns.watch.append(region)  # freed while its stream may still use it
         return None
 
-    def park(self, chunk: Chunk, tag: SyncStream | None) -> bool:
-        """Park a freed chunk in its class's list for ``tag``; False when that list is full.
-
-        A host list (``tag`` None) is the chunk's ``home``, where hits pop and releases
-        insert without the lock: smallest, then lowest address first (``pop(0)``). A
-        stream's list is kept highest address first, so ``pop()`` gives the lowest.
-        """
-        if tag is None:
-            home = self.parked.get(chunk.cls)
-            if home is None:
-                home = self.parked[chunk.cls] = []
-            if len(home) >= MAX_PARKED:
-                return False
-            chunk.home = home
-            bisect.insort(home, chunk, key=_KEY)  # smallest, lowest address first
-            return True
-        per = self.stream_parked.get(chunk.cls)
-        if per is None:
-            self.stream_parked[chunk.cls] = {tag: [chunk]}
-            return True
-        parked = per.get(tag)
-        if parked is None:
-            per[tag] = [chunk]
-            return True
-        n = len(parked)
-        if n >= MAX_PARKED:
-            return False
-        if not n or parked[-1].ptr > chunk.ptr:
-            parked.append(chunk)
-        else:  # keep the list highest address first, so pop() gives the lowest
-            i = 0
-            ptr = chunk.ptr
-            while parked[i].ptr > ptr:
-                i += 1
-            parked.insert(i, chunk)
-        return True
-
-    def flush_run(self, rounded: int) -> bool:
-        """Free just the parked chunks in the way of a request, and returns whether it did.
-
-        It takes the smallest run of untagged free and parked chunks that would hold
-        ``rounded`` bytes once merged, and within it the fewest chunks around its
-        largest free one; the other parked chunks stay for their sizes. Runs are found
-        from the parked chunks (each run looked at once), never by walking the regions.
-        """
-        parked = {id(c) for chunks in self.parked.values() for c in chunks[:]}
-        if not parked:
-            return False
-
-        def in_run(c: Chunk | None) -> bool:
-            return c is not None and c.tag is None and (not c.in_use or id(c) in parked)
-
-        seen: set[int] = set()
-        best: list[Chunk] = []
-        best_size = 0
-        for chunks in self.parked.values():
-            for start in chunks[:]:
-                if id(start) in seen:
-                    continue
-                while in_run(start.prev):
-                    start = start.prev  # type: ignore[assignment]
-                run: list[Chunk] = []
-                size = 0
-                c: Chunk | None = start
-                while in_run(c):
-                    assert c is not None
-                    run.append(c)
-                    seen.add(id(c))
-                    size += c.size
-                    c = c.next
-                if size >= rounded and (not best or size < best_size):
-                    best, best_size = run, size
-        if not best:
-            return False
-        # Grow a window from the run's largest free chunk, the bigger neighbour first.
-        free = [c for c in best if not c.in_use]
-        lo = hi = best.index(max(free, key=lambda c: c.size)) if free else 0
-        size = best[lo].size
-        while size < rounded:
-            left = best[lo - 1].size if lo > 0 else -1
-            right = best[hi + 1].size if hi + 1 < len(best) else -1
-            if left >= right:
-                lo -= 1
-                size += left
-            else:
-                hi += 1
-                size += right
-        freed = False
-        for chunk in best[lo : hi + 1]:
-            if not chunk.in_use:
-                continue
-            try:
-                self.parked[chunk.cls].remove(chunk)
-            except ValueError:
-                continue  # a hit (without the lock) took it meanwhile: it stays in use
-            self.evicted += chunk.size
-            self.dropped_req += chunk.req
-            chunk.req = 0
-            chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-            freed = True
-        return freed
-
-    def flush(self) -> int:
-        """Free every parked and cached chunk in its core, where it merges; returns how
-        many."""
-        count = 0
-        for home in self.parked.values():  # the lists stay: they are the chunks' homes
-            while home:
-                try:
-                    chunk = home.pop()
-                except IndexError:  # a hit took the last one
-                    break
-                self.dropped_req += chunk.req
-                chunk.req = 0
-                chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-                count += 1
-        count += self.flush_cached()
-        parked = [
-            c for per in self.stream_parked.values() for chunks in per.values() for c in chunks
-        ]
-        self.stream_parked.clear()
-        for chunk in parked:
-            chunk.region.core.free(chunk, chunk.tag, chunk.mark)  # type: ignore[union-attr]
-        return count + len(parked)
-
-    def flush_cached(self, core: BfcCore | None = None) -> int:
-        """Free every cached large chunk (of ``core``'s regions, or of both cores) in its
-        core, where it merges; returns how many."""
-        count = 0
-        for chunks in self.cached:
-            if core is not None:
-                for chunk in chunks[:]:
-                    if chunk.region.core is core:
-                        try:
-                            chunks.remove(chunk)
-                        except ValueError:  # a hit took it
-                            continue
-                        count += self._uncache(chunk)
-                continue
-            while chunks:
-                try:
-                    chunk = chunks.pop()
-                except IndexError:  # a hit took the last one
-                    break
-                count += self._uncache(chunk)
-        return count
-
-    def _uncache(self, chunk: Chunk) -> int:
-        self.dropped_req += chunk.req
-        chunk.req = 0
-        self.evicted_large += chunk.size
-        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-        return 1
-
     def reset_passed_streams(self) -> int:
         """Untag the free and parked chunks whose stream has passed their point; returns
         how many. Looks only at chunks a stream may still use (indexed by stream)."""
         cache: dict[int, bool] = {}
-        passed = 0
-        for cls, per in list(self.stream_parked.items()):
-            for owner in list(per):
-                keep = []
-                for chunk in per[owner]:
-                    if usable(chunk, None, cache):
-                        chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-                        passed += 1
-                    else:
-                        keep.append(chunk)
-                if keep:
-                    per[owner] = keep
-                else:
-                    del per[owner]
-            if not per:
-                del self.stream_parked[cls]
+        passed = self.parking.untag_passed(cache)
         for core in self.cores:
             if not core.tagged:
                 continue
@@ -655,11 +384,7 @@ class StreamPool:
 
     def release_stream(self, stream: SyncStream) -> None:
         """Untag every free and parked chunk of ``stream`` (ORT's ``ReleaseStreamBuffers``)."""
-        for cls, per in list(self.stream_parked.items()):
-            for chunk in per.pop(stream, ()):
-                chunk.region.core.free(chunk, None, chunk.mark)  # type: ignore[union-attr]
-            if not per:
-                del self.stream_parked[cls]
+        self.parking.drop_stream(stream)
         for core in self.cores:
             for chunk in core.tagged_chunks(stream):
                 core.retag(chunk)

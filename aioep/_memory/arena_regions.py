@@ -12,8 +12,8 @@ from .arena_config import ArenaConfig, ArenaExtendStrategy
 from .bfc import Region
 
 if TYPE_CHECKING:
+    from .._plugin.buffer import Buffer
     from .._plugin.notification import Notification
-    from .._plugin.tensor import Buffer
 
 __all__ = ["RegionReturns", "RegionSizer"]
 
@@ -105,7 +105,7 @@ class RegionReturns:
     def release_when_stream_passes(self, region: Region, *, closed: bool) -> None:
         """Give a free region back once its stream has passed the work that used it."""
         stream = region.head.tag
-        if stream is None or stream._closed:  # type: ignore[attr-defined]
+        if stream is None or stream.closed:  # type: ignore[attr-defined]
             self.give_back(region)
             return
         try:

@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from .._base.codes import DLDeviceType
+from .._plugin.buffer import Buffer
 from .._plugin.exports import ExportedMemory, live_exports, note_handed_out
-from .._plugin.tensor import Buffer, Tensor
+from .._plugin.tensor import Tensor
 
 __all__ = [
     "DLDataType",

@@ -12,7 +12,6 @@ device where the copy has a stream, else on a worker thread before the copy runs
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,12 +20,13 @@ import numpy as np
 
 from .._base.errors import InvalidArgument
 from .._base.validate import describe
+from .._plugin.buffer import Buffer, ImportedBuffer
 from .._plugin.exports import handed_out
 from .._plugin.importer import MemoryImporter
 from .._plugin.notification import Notification
 from .._plugin.stream import SyncStream
 from .._plugin.stream_impl import NotificationImpl, StreamImpl
-from .._plugin.tensor import HOST_MEMORY_INFO, Buffer, ImportedBuffer, Tensor
+from .._plugin.tensor import Tensor, imported_host_tensor
 from .dlpack import (
     MAX_VERSION,
     DLDeviceType,
@@ -344,24 +344,8 @@ def _from_host_dlpack(
                 f"{array.shape} is not C-contiguous (strides {array.strides})"
             )
         return array  # a source: the copy packs it (off the loop when large)
-    # The hot path of a host tensor handed over by DLPack: build the buffer and the tensor
-    # without their constructors' checks, which the array already satisfies.
-    nbytes = array.nbytes
-    buffer = ImportedBuffer.__new__(ImportedBuffer)
-    buffer.ptr = array.__array_interface__["data"][0]
-    buffer.nbytes = nbytes
-    buffer.memory_info = HOST_MEMORY_INFO
-    buffer.allocator = None
-    buffer.readonly = not flags.writeable
-    buffer.stream = None
-    buffer._owner = (value, array)
-    buffer._pins = 0
-    buffer._released = False
-    buffer._pin_lock = threading.Lock()
-    buffer._on_release = None
-    buffer._last_use = None
-    buffer.producer = value
-    return Tensor._over_array(array, buffer)
+    # The hot path of a host tensor handed over by DLPack.
+    return imported_host_tensor(array, value, not flags.writeable)
 
 
 class _HostCapsuleArray:

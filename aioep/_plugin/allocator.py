@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 from .._base.errors import ClosedError, InvalidArgument
 from .._base.types import MemoryInfo
 from .._base.validate import MAX_DIM
+from .buffer import Buffer
 from .stream import SyncStream
-from .tensor import Buffer
 
 if TYPE_CHECKING:
     from .ownership import Origin
 
-__all__ = ["Allocator", "check_nbytes", "check_stream"]
+__all__ = ["Allocator", "allocator_origin", "check_nbytes", "check_stream", "set_origin"]
 
 
 def check_nbytes(kind: str, name: str, nbytes: object) -> None:
@@ -202,3 +202,14 @@ class Allocator(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.memory_info.name!r} live={self._live_buffers}>"
+
+
+def allocator_origin(allocator: Allocator) -> Origin | None:
+    """The environment and library registration that made ``allocator`` (None for a user's
+    own allocator, whose buffers are producer-owned)."""
+    return allocator._origin
+
+
+def set_origin(allocator: Allocator, origin: Origin | None) -> None:
+    """Record who made ``allocator`` (the environment, when it creates or adopts one)."""
+    allocator._origin = origin

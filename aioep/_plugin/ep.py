@@ -46,7 +46,15 @@ if TYPE_CHECKING:
     from .stream import SyncStream
     from .transfer import TensorLike
 
-__all__ = ["CompiledNode", "Ep", "EpEnvironment", "FusedGroup", "IndexedSubGraph", "MetaDef"]
+__all__ = [
+    "CompiledNode",
+    "Ep",
+    "EpEnvironment",
+    "FusedGroup",
+    "IndexedSubGraph",
+    "MetaDef",
+    "bind_ep",
+]
 
 
 class EpEnvironment(StreamMaker, Protocol):
@@ -174,10 +182,6 @@ class Ep(abc.ABC):
         self._environment: EpEnvironment | None = None
         self._ep_devices: tuple[EpDevice, ...] = ()
 
-    def _bind(self, environment: EpEnvironment, ep_devices: Sequence[EpDevice]) -> None:
-        self._environment = environment
-        self._ep_devices = tuple(ep_devices)
-
     @property
     def environment(self) -> EpEnvironment:
         """The environment of the session that uses this EP."""
@@ -233,3 +237,9 @@ class Ep(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def bind_ep(ep: Ep, environment: EpEnvironment, ep_devices: Sequence[EpDevice]) -> None:
+    """Give ``ep`` the environment and the EP devices of the session that uses it."""
+    ep._environment = environment
+    ep._ep_devices = tuple(ep_devices)

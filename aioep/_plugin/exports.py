@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .tensor import Buffer
+    from .buffer import Buffer
 
 __all__ = [
     "ExportedMemory",

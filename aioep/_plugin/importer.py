@@ -13,8 +13,8 @@ from typing import Any
 
 from .._base.codes import DLDeviceType
 from .._base.types import MemoryInfo
+from .buffer import HOST_MEMORY_INFO
 from .stream_impl import NotificationImpl, StreamImpl
-from .tensor import HOST_MEMORY_INFO
 
 __all__ = ["HostMemoryImporter", "MemoryImporter"]
 

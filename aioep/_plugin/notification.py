@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 from .._base.errors import DeviceError, EpError, InvalidArgument
 from .._base.validate import check_timeout, describe
-from .stream_impl import NotificationImpl, StreamImpl, ThreadStream
+from .stream_impl import NotificationImpl, StreamImpl
+from .thread_stream import ThreadStream
 from .wake import checkpoint, poll, wait_for, waker_for, warn_if_blocking_loop
 
 if TYPE_CHECKING:
     from .stream import SyncStream
 
-__all__ = ["Notification", "device_error", "wait_blocking"]
+__all__ = ["Notification", "device_error", "notification_of", "wait_blocking"]
 
 
 class Notification:
@@ -69,16 +70,6 @@ class Notification:
             backend._enqueue_signal(impl, 1)  # type: ignore[attr-defined]
         else:
             impl.activate()
-        return note
-
-    @classmethod
-    def _of(cls, impl: NotificationImpl, stream: SyncStream | None = None) -> Notification:
-        """A notification over ``impl`` (of ``stream``) that aioep made itself: the checks of
-        ``__init__`` are known to pass."""
-        note = _new_notification(cls)
-        note._impl = impl
-        note._stream = stream
-        note._sync_table = _NO_SYNC
         return note
 
     @property
@@ -175,6 +166,16 @@ _THREAD_STREAM_CREATE = ThreadStream.create_notification
 _get_running_loop = asyncio._get_running_loop
 _partial = functools.partial
 _NO_SYNC: dict[int, int] = {}  # the sync table of a mark never activated on a stream (read-only)
+
+
+def notification_of(impl: NotificationImpl, stream: SyncStream | None = None) -> Notification:
+    """A notification over ``impl`` (of ``stream``) that aioep made itself: the checks of
+    `Notification`'s constructor are known to pass (the copy paths' form)."""
+    note = _new_notification(Notification)
+    note._impl = impl
+    note._stream = stream
+    note._sync_table = _NO_SYNC
+    return note
 
 
 def wait_blocking(notification: Notification, timeout: float | None = None) -> None:

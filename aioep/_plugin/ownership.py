@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Final
 from .._base.errors import ClosedError, InvalidArgument
 
 if TYPE_CHECKING:
-    from .tensor import Buffer, Tensor
+    from .buffer import Buffer
+    from .tensor import Tensor
 
 __all__ = ["FOREIGN", "Origin", "Scope", "check_owner", "origin_of", "owned_by"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,14 @@ from .wake import checkpoint
 if TYPE_CHECKING:
     from .device import EpDevice
 
-__all__ = ["SyncStream"]
+__all__ = [
+    "SyncStream",
+    "check_open",
+    "has_passed",
+    "has_waited_for",
+    "note_enqueued",
+    "sync_point",
+]
 
 _stream_uids = itertools.count(1)
 
@@ -126,9 +134,6 @@ class SyncStream(AsyncResource):
             if sync_id > self._sync_clock.get(uid, 0):
                 self._sync_clock[uid] = sync_id
 
-    def _enqueued(self) -> None:
-        self._dirty = True
-
     def done(self) -> bool:
         """True when all work enqueued so far has completed (never blocks).
 
@@ -208,3 +213,36 @@ class SyncStream(AsyncResource):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<SyncStream {self._ep_device.ep_name}:{self.handle:#x} {state}>"
+
+
+# What the layers above need of a stream's bookkeeping, by name (they are aioep's own, not
+# part of the public SyncStream).
+
+
+def check_open(stream: SyncStream) -> None:
+    """Raise `ClosedError` if ``stream`` is closed."""
+    if stream._closed:
+        raise ClosedError(f"{stream!r} is closed")
+
+
+def note_enqueued(stream: SyncStream) -> None:
+    """Note that work was enqueued on ``stream`` behind its last recorded point (so the next
+    query or await records a new one)."""
+    stream._dirty = True
+
+
+sync_point: Callable[[SyncStream], int] = operator.attrgetter("_sync_id")
+"""The number of points ``stream`` has recorded so far: a stream-aware allocator tags freed
+memory with it (ORT's sync ids). An attribute getter: the arena's release path calls it."""
+
+
+def has_waited_for(stream: SyncStream, producer: SyncStream, sync_id: int) -> bool:
+    """True when ``stream`` has waited on a notification ``producer`` recorded after its
+    point ``sync_id`` (ORT's ``UpdateWithAwaitedNotification`` clock)."""
+    return stream._sync_clock.get(producer._uid, 0) > sync_id
+
+
+def has_passed(stream: SyncStream, sync_id: int) -> bool:
+    """True when a notification ``stream`` recorded after its point ``sync_id`` is done."""
+    tail = stream._tail
+    return tail is not None and tail._sync_table.get(stream._uid, 0) > sync_id and tail.done()

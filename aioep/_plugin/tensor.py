@@ -1,36 +1,33 @@
-"""Buffers (device memory with an owner) and tensors (shape and dtype over a buffer)."""
+"""Tensors: shape and dtype over a buffer (C-contiguous), numpy and DLPack views of them."""
 
 from __future__ import annotations
 
 import ctypes
-import sys
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._base.codes import NVIDIA_VENDOR_ID, DLDeviceType
-from .._base.errors import InUseError, InvalidArgument
-from .._base.types import HOST_MEMORY_DEVICE, DeviceType, MemoryDevice, MemoryInfo
+from .._base.errors import InvalidArgument
+from .._base.types import DeviceType, MemoryDevice, MemoryInfo
 from .._base.validate import MAX_DIM, check_dtype, check_int, describe
-from .exports import ExportedMemory, _holds, free_deferred, note_handed_out, request_free
-
-if TYPE_CHECKING:
-    from .allocator import Allocator
+from .buffer import (
+    _PIN_LOCK,
+    HOST_MEMORY_INFO,
+    Buffer,
+    ImportedBuffer,
+    _ArrayBuffer,
+    _new_buffer,
+)
+from .exports import ExportedMemory, note_handed_out
 
 __all__ = [
-    "HOST_MEMORY_INFO",
-    "Buffer",
     "Tensor",
     "as_tensor",
     "register_dlpack_exporter",
 ]
-
-HOST_MEMORY_INFO = MemoryInfo("Cpu", HOST_MEMORY_DEVICE, alignment=64)
-"""Host RAM (``"Cpu"``, 64-byte aligned): the DEFAULT memory of the host device and of
-tensors wrapped from numpy arrays."""
 
 # What __dlpack_device__ reports: plain ints, as the protocol's tuples hold.
 _DL_CPU, _DL_CUDA, _DL_EXT_DEV = (
@@ -38,187 +35,6 @@ _DL_CPU, _DL_CUDA, _DL_EXT_DEV = (
     int(DLDeviceType.CUDA),
     int(DLDeviceType.EXT_DEV),
 )
-_MAX_PTR = (1 << 64) - 1
-_PIN_LOCK = threading.Lock()  # guards every buffer's pin count (held for an increment)
-
-
-class Buffer:
-    """A block of memory on one device: ``ptr`` (device address), ``nbytes`` and ``memory_info``.
-
-    A buffer from an allocator goes back to it when the last reference is dropped
-    (or on [`free`][aioep.Buffer.free]). While a copy is using it, it is pinned and
-    [`free`][aioep.Buffer.free] raises [`InUseError`][aioep.InUseError].
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_last_use",
-        "_on_release",
-        "_owner",
-        "_pin_lock",
-        "_pins",
-        "_released",
-        "allocator",
-        "memory_info",
-        "nbytes",
-        "ptr",
-        "readonly",
-        "stream",
-    )
-
-    def __init__(
-        self,
-        ptr: int,
-        nbytes: int,
-        memory_info: MemoryInfo,
-        *,
-        allocator: Allocator | None = None,
-        owner: object = None,
-        release: Callable[[], None] | None = None,
-        readonly: bool = False,
-        stream: Any = None,
-    ) -> None:
-        if type(ptr) is not int or type(nbytes) is not int:
-            ptr = check_int("Buffer", "ptr", ptr, maximum=_MAX_PTR)
-            nbytes = check_int("Buffer", "nbytes", nbytes, maximum=MAX_DIM)
-        if ptr <= 0 or nbytes < 0 or ptr > _MAX_PTR or nbytes > MAX_DIM:
-            if ptr == 0 and nbytes == 0:
-                pass  # an empty buffer touches no memory: null is its usual address
-            elif ptr == 0:
-                raise InvalidArgument(
-                    f"Buffer: ptr is null (0) for {nbytes} bytes; a buffer over memory needs its "
-                    "address"
-                )
-            else:
-                check_int("Buffer", "ptr", ptr, maximum=_MAX_PTR)
-                check_int("Buffer", "nbytes", nbytes, maximum=MAX_DIM)
-        if not isinstance(memory_info, MemoryInfo):
-            raise InvalidArgument(
-                f"Buffer: memory_info must be an aioep.MemoryInfo, got {describe(memory_info)}"
-            )
-        if release is not None and not callable(release):
-            raise InvalidArgument(f"Buffer: release must be callable, got {describe(release)}")
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.memory_info = memory_info
-        self.allocator = allocator
-        self.readonly = readonly
-        self.stream = stream
-        self._owner = owner
-        self._last_use: Any = None  # the Notification of the last copy that used it
-        self._pins = 0
-        self._pin_lock = _PIN_LOCK
-        self._on_release = release  # called once, by _release
-        self._released = False
-
-    @property
-    def device(self) -> MemoryDevice:
-        """The memory device this buffer lives on."""
-        return self.memory_info.device
-
-    @property
-    def origin(self) -> Any:
-        """Who made this memory: the environment and library registration whose allocator
-        allocated it (``origin.library``, ``origin.scope.label``), or None for memory aioep
-        did not allocate (numpy arrays, memory imported from another framework: owned by
-        its producer, never freed by aioep). ``copy_tensors``, sessions and IOBinding take
-        device memory only from their own environment."""
-        allocator = self.allocator
-        return None if allocator is None else allocator._origin
-
-    @property
-    def freed(self) -> bool:
-        """True once the memory went back to its allocator (or [`free`][aioep.Buffer.free] was
-        called; also while a DLPack export defers the free)."""
-        return self._released or free_deferred(self)
-
-    def free(self) -> None:
-        """Give the memory back to its allocator now; idempotent.
-
-        While a DLPack export of the buffer is alive (a consumer's array, an unconsumed
-        capsule), the buffer is marked freed at once and its memory goes back when the
-        last export is released, never to a new allocation while a consumer can use it.
-
-        Raises:
-            InUseError: a copy or load still uses this buffer.
-        """
-        if self._pins:
-            raise InUseError(
-                f"buffer {self.ptr:#x} ({self.nbytes} bytes on {self.memory_info.name}) is "
-                f"used by {self._pins} operation(s) in flight; await them before freeing"
-            )
-        if request_free(self):
-            return  # a DLPack export holds the memory: its last release frees it
-        self._release()
-
-    def _release(self) -> None:
-        """Give the memory back now, exactly once however often and from whichever thread
-        it is called: the one release path. `free` ends here, and so does the
-        buffer's last reference going (``__del__``). Subclasses that hand memory back
-        another way override it (the arena's buffers)."""
-        lock = self._pin_lock
-        lock.acquire()
-        try:
-            if self._released:
-                return
-            self._released = True
-            release = self._on_release
-            self._on_release = None
-        finally:
-            lock.release()
-        self._owner = None
-        if release is not None:
-            release()
-
-    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
-        # The last reference went: release once. Not at interpreter shutdown, when the
-        # allocator and the backend behind it may already be torn down (the process's
-        # memory goes with it). An exception here is reported as unraisable, as
-        # weakref.finalize reported it.
-        try:
-            released = self._released
-        except AttributeError:
-            return  # __init__ failed before the buffer held anything
-        if released or (self._on_release is None and type(self) in _PLAIN_BUFFERS):
-            return  # nothing to give back (a view of a numpy array, say)
-        if not _finalizing():
-            self._release()
-
-    @property
-    def pending_work(self) -> Any:
-        """The [`Notification`][aioep.Notification] of the last copy that used this buffer while it
-        is not complete, else None: what a DLPack consumer's stream must wait for."""
-        work = getattr(self, "_last_use", None)  # unset on buffers built without __init__
-        if work is None or work.done():
-            return None
-        return work
-
-    def _pin(self) -> None:
-        with self._pin_lock:
-            self._pins += 1
-
-    def _unpin(self) -> None:
-        with self._pin_lock:
-            self._pins -= 1
-
-    def __repr__(self) -> str:
-        state = " freed" if self.freed else ""
-        return f"<Buffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r}{state}>"
-
-
-class _ArrayBuffer(Buffer):
-    """A `Buffer` over a numpy array's memory (`Tensor.from_numpy`): host RAM, no
-    allocator, nothing to give back; what every such buffer shares is the class's."""
-
-    __slots__ = ()
-    memory_info = HOST_MEMORY_INFO  # type: ignore[assignment]
-    allocator = None
-    stream = None
-    _pin_lock = _PIN_LOCK
-
-
-_PLAIN_BUFFERS = (Buffer, _ArrayBuffer)  # types whose buffers have nothing to release when
-# they have no release callback
 
 
 class _ArrayInterface:
@@ -249,9 +65,12 @@ class Tensor:
     Tensors in host-accessible memory give a zero-copy [`numpy`][aioep.Tensor.numpy] view and
     DLPack export; tensors in device memory move only by
     [`aioep.copy_tensors`][aioep.copy_tensors].
+
+    ``shape``, ``dtype``, ``nbytes`` (the size of the data in bytes), ``buffer`` and
+    ``byte_offset`` (where the data starts in the buffer) are plain attributes.
     """
 
-    __slots__ = ("__weakref__", "_nbytes", "_size", "buffer", "byte_offset", "dtype", "shape")
+    __slots__ = ("__weakref__", "_size", "buffer", "byte_offset", "dtype", "nbytes", "shape")
 
     def __init__(
         self,
@@ -274,7 +93,7 @@ class Tensor:
         self.shape = dims
         self.dtype = dt
         self._size = size
-        self._nbytes = nbytes
+        self.nbytes = nbytes
         self.buffer = buffer
         self.byte_offset = byte_offset
 
@@ -297,47 +116,6 @@ class Tensor:
                 "memory cannot hold (sessions take string arrays as inputs directly)"
             )
         return checked_host_tensor(array, readonly=not flags.writeable)
-
-    @classmethod
-    def _over_array(cls, array: npt.NDArray[Any], buffer: Buffer) -> Tensor:
-        """A tensor of ``array``'s shape and dtype over ``buffer`` (which holds exactly the
-        array's bytes), built without ``__init__``'s checks: a C-contiguous numpy array
-        already satisfies them (the hot path of copy_tensors with host arguments)."""
-        tensor = cls.__new__(cls)
-        tensor.shape = array.shape
-        tensor.dtype = array.dtype
-        tensor._size = array.size
-        tensor._nbytes = array.nbytes
-        tensor.buffer = buffer
-        tensor.byte_offset = 0
-        return tensor
-
-    @classmethod
-    def _of_objects(cls, array: npt.NDArray[Any]) -> Tensor:
-        """A host-only, read-only tensor over an array of Python objects (an ONNX string
-        tensor from or for onnxruntime). `numpy` gives the array back; no copy ever
-        moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
-        if not array.flags.c_contiguous:
-            array = np.ascontiguousarray(array).reshape(array.shape)
-        tensor = cls.__new__(cls)
-        tensor.shape = array.shape
-        tensor.dtype = array.dtype
-        tensor._size = array.size
-        tensor._nbytes = array.nbytes
-        tensor.buffer = Buffer(
-            array.__array_interface__["data"][0],
-            array.nbytes,
-            HOST_MEMORY_INFO,
-            owner=array,
-            readonly=True,
-        )
-        tensor.byte_offset = 0
-        return tensor
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the data in bytes."""
-        return self._nbytes
 
     @property
     def size(self) -> int:
@@ -570,197 +348,63 @@ def wrap_array(array: npt.NDArray[Any], readonly: bool) -> Tensor:
     tensor.shape = array.shape
     tensor.dtype = array.dtype
     tensor._size = array.size
-    tensor._nbytes = nbytes
+    tensor.nbytes = nbytes
     tensor.buffer = buffer
     tensor.byte_offset = 0
     return tensor
 
 
-def copy_pairs(
-    src: Sequence[object], dst: Sequence[object]
-) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
-    """The tensors of a copy batch that passes every check of the general path at once:
-    ``(pairs, sources, destinations, user_tensors)``; None for any batch it does not take
-    (the general path then accepts or refuses it, with the full message).
-
-    Each argument is a `Tensor` (not a subclass) whose buffer is not freed, and not
-    read-only for a destination, or a C-contiguous numpy array of plain values (writable
-    for a destination), wrapped here; each pair agrees in dtype, size and shape; no
-    destination overlaps another tensor of the batch in memory. ``user_tensors`` are the
-    tensors the caller passed (arrays wrapped here are nobody else's: no one can free
-    them). The owners of device memory are not checked here (``ownership.owned_by``).
-    """
-    n = len(src)
-    if n != len(dst):
-        return None
-    if n == 1:
-        return copy_pair(src[0], dst[0])
-    pairs: list[tuple[Tensor, Tensor]] = []
-    sources: list[Tensor] = []
-    dests: list[Tensor] = []
-    users: list[Tensor] = []
-    for k in range(n):
-        s: Any = src[k]
-        kind = type(s)
-        if kind is Tensor:
-            buffer = s.buffer
-            if buffer._released or (_holds and free_deferred(buffer)):
-                return None
-            users.append(s)
-        elif kind is np.ndarray:
-            flags = s.flags
-            if not flags.c_contiguous or s.dtype.hasobject:
-                return None
-            s = wrap_array(s, not flags.writeable)
-        else:
-            return None
-        d: Any = dst[k]
-        kind = type(d)
-        if kind is Tensor:
-            buffer = d.buffer
-            if buffer._released or buffer.readonly or (_holds and free_deferred(buffer)):
-                return None
-            users.append(d)
-        elif kind is np.ndarray:
-            flags = d.flags
-            if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
-                return None
-            d = wrap_array(d, False)
-        else:
-            return None
-        sd, dd = s.dtype, d.dtype
-        if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
-            return None
-        pairs.append((s, d))
-        sources.append(s)
-        dests.append(d)
-    for i, d in enumerate(dests):  # a destination may overlap nothing else
-        for t in sources:
-            if _overlap(d, t):
-                return None
-        for t in dests[i + 1 :]:
-            if _overlap(d, t):
-                return None
-    return pairs, sources, dests, users
+def imported_host_tensor(array: npt.NDArray[Any], producer: object, readonly: bool) -> Tensor:
+    """A tensor over a C-contiguous host ``array`` of plain values that ``producer`` handed
+    over (DLPack), zero-copy: an `ImportedBuffer` that keeps both alive, built without the
+    constructors' checks, which the array already satisfies (the hot path of a host tensor
+    imported for a copy)."""
+    buffer = _new_buffer(ImportedBuffer)
+    buffer.ptr = array.__array_interface__["data"][0]
+    buffer.nbytes = nbytes = array.nbytes
+    buffer.memory_info = HOST_MEMORY_INFO
+    buffer.allocator = None
+    buffer.readonly = readonly
+    buffer.stream = None
+    buffer._owner = (producer, array)
+    buffer._pins = 0
+    buffer._released = False
+    buffer._pin_lock = _PIN_LOCK
+    buffer._on_release = None
+    buffer._last_use = None
+    buffer.producer = producer
+    tensor = _new_tensor(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor.nbytes = nbytes
+    tensor.buffer = buffer
+    tensor.byte_offset = 0
+    return tensor
 
 
-def copy_pair(
-    s: Any, d: Any
-) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor], list[Tensor], list[Tensor]] | None:
-    """`copy_pairs` for a batch of one pair (source ``s``, destination ``d``), the common
-    case, in a straight line."""
-    kind = type(s)
-    if kind is Tensor:
-        buffer = s.buffer
-        if buffer._released or (_holds and free_deferred(buffer)):
-            return None
-        users = [s]
-    elif kind is np.ndarray:
-        flags = s.flags
-        if not flags.c_contiguous or s.dtype.hasobject:
-            return None
-        s = wrap_array(s, not flags.writeable)
-        users = []
-    else:
-        return None
-    kind = type(d)
-    if kind is Tensor:
-        buffer = d.buffer
-        if buffer._released or buffer.readonly or (_holds and free_deferred(buffer)):
-            return None
-        users.append(d)
-    elif kind is np.ndarray:
-        flags = d.flags
-        if not (flags.c_contiguous and flags.writeable) or d.dtype.hasobject:
-            return None
-        d = wrap_array(d, False)
-    else:
-        return None
-    sd, dd = s.dtype, d.dtype
-    if (sd is not dd and sd != dd) or s._nbytes != d._nbytes or s.shape != d.shape:
-        return None
-    if _overlap(s, d):
-        return None
-    return [(s, d)], [s], [d], users
+def object_tensor(array: npt.NDArray[Any]) -> Tensor:
+    """A host-only, read-only tensor over an array of Python objects (an ONNX string
+    tensor from or for onnxruntime). `Tensor.numpy` gives the array back; no copy ever
+    moves its bytes (the buffer is read-only and no allocator makes object tensors)."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array).reshape(array.shape)
+    tensor = _new_tensor(Tensor)
+    tensor.shape = array.shape
+    tensor.dtype = array.dtype
+    tensor._size = array.size
+    tensor.nbytes = array.nbytes
+    tensor.buffer = Buffer(
+        array.__array_interface__["data"][0],
+        array.nbytes,
+        HOST_MEMORY_INFO,
+        owner=array,
+        readonly=True,
+    )
+    tensor.byte_offset = 0
+    return tensor
 
 
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """True when ``a`` and ``b`` share bytes of one address space (host memory, pinned
-    included, is one; each device's memory another)."""
-    an, bn = a._nbytes, b._nbytes
-    if not an or not bn:
-        return False
-    abuf, bbuf = a.buffer, b.buffer
-    adev, bdev = abuf.memory_info.device, bbuf.memory_info.device
-    if adev is not bdev:
-        host = adev.is_host_accessible
-        if host != bdev.is_host_accessible or (not host and adev != bdev):
-            return False
-    astart = abuf.ptr + a.byte_offset
-    bstart = bbuf.ptr + b.byte_offset
-    return astart < bstart + bn and bstart < astart + an
-
-
-def pin_for(tensors: Sequence[Tensor], work: object) -> None:
-    """Pin each tensor's buffer against `Buffer.free` and note ``work`` (a notification)
-    as the last use of its memory (`Buffer.pending_work`), until `unpin`."""
-    lock = _PIN_LOCK
-    if len(tensors) == 1:
-        buffer = tensors[0].buffer
-        if buffer._pin_lock is lock:
-            buffer._last_use = work
-            lock.acquire()
-            buffer._pins += 1
-            lock.release()
-            return
-    others: list[Buffer] | None = None
-    lock.acquire()
-    try:
-        for t in tensors:
-            buffer = t.buffer
-            buffer._last_use = work
-            if buffer._pin_lock is lock:
-                buffer._pins += 1
-            elif others is None:
-                others = [buffer]
-            else:
-                others.append(buffer)
-    finally:
-        lock.release()
-    if others is not None:
-        for buffer in others:
-            buffer._pin()
-
-
-def unpin(tensors: Sequence[Tensor]) -> None:
-    """Undo `pin_for`."""
-    lock = _PIN_LOCK
-    if len(tensors) == 1:
-        buffer = tensors[0].buffer
-        if buffer._pin_lock is lock:
-            lock.acquire()
-            buffer._pins -= 1
-            lock.release()
-            return
-    others: list[Buffer] | None = None
-    lock.acquire()
-    try:
-        for t in tensors:
-            buffer = t.buffer
-            if buffer._pin_lock is lock:
-                buffer._pins -= 1
-            elif others is None:
-                others = [buffer]
-            else:
-                others.append(buffer)
-    finally:
-        lock.release()
-    if others is not None:
-        for buffer in others:
-            buffer._unpin()
-
-
-_new_buffer = Buffer.__new__  # (of a subclass too)
 _new_tensor = Tensor.__new__
 _view_bytes: Callable[[Any], Any] = ctypes.c_char.from_buffer  # an ndarray is a buffer
 _address_of = ctypes.addressof
@@ -875,7 +519,7 @@ def tensor_over(
     tensor.shape = dims
     tensor.dtype = dtype
     tensor._size = size
-    tensor._nbytes = nbytes
+    tensor.nbytes = nbytes
     tensor.buffer = buffer
     tensor.byte_offset = 0
     return tensor
@@ -928,41 +572,3 @@ def as_tensor(value: object, *, role: str, writable: bool = False) -> Tensor:
     raise InvalidArgument(
         f"{role}: expected an aioep.Tensor or numpy.ndarray, got {type(value).__name__}"
     )
-
-
-class ImportedBuffer(Buffer):
-    """Memory another library made and handed over (DLPack, CUDA Array Interface): owned by
-    its producer, usable by any environment whose backends own that device, never freed
-    by aioep.
-
-    ``producer`` is the object it came from; the buffer keeps it alive, and a release
-    callback (the DLPack deleter) runs when the buffer dies. `free` hands the memory
-    back to the producer early (never while a copy uses it).
-    """
-
-    __slots__ = ("producer",)
-
-    imported = True
-    """Marks memory owned by its producer (ownership checks let any environment use it)."""
-
-    def __init__(
-        self,
-        ptr: int,
-        nbytes: int,
-        memory_info: MemoryInfo,
-        *,
-        producer: object,
-        keep: object = None,
-        release: Callable[[], None] | None = None,
-        readonly: bool = False,
-    ) -> None:
-        super().__init__(
-            ptr, nbytes, memory_info, owner=(producer, keep), release=release, readonly=readonly
-        )
-        self.producer = producer
-
-    def __repr__(self) -> str:
-        return (
-            f"<ImportedBuffer {self.ptr:#x} nbytes={self.nbytes} on {self.memory_info.name!r} "
-            f"from {type(self.producer).__name__}>"
-        )

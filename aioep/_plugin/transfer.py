@@ -117,11 +117,11 @@ def _check_overlaps(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
     if len(src) == 1:  # the common single pair: one interval test
         s, d = src[0], dst[0]
         if (
-            s._nbytes
-            and d._nbytes
+            s.nbytes
+            and d.nbytes
             and _address_space(s.device) == _address_space(d.device)
-            and s.data_ptr < d.data_ptr + d._nbytes
-            and d.data_ptr < s.data_ptr + s._nbytes
+            and s.data_ptr < d.data_ptr + d.nbytes
+            and d.data_ptr < s.data_ptr + s.nbytes
         ):
             raise InvalidArgument("copy_tensors: destination 0 overlaps source 0 in memory")
         return
@@ -218,7 +218,7 @@ def plan_copies(
             plan.groups.append((transfer, pairs))
             plan.libraries.add(library)
         pairs.append((s, d))
-        plan.nbytes += s._nbytes
+        plan.nbytes += s.nbytes
     return plan
 
 
@@ -236,7 +236,7 @@ def _check_pair(i: int, s: Tensor, d: Tensor, allow_reshape: bool) -> None:
         raise InvalidArgument(
             f"copy_tensors pair {i}: source dtype {s.dtype} differs from destination dtype {d.dtype}"
         )
-    if s._nbytes != d._nbytes:
+    if s.nbytes != d.nbytes:
         raise InvalidArgument(
             f"copy_tensors pair {i}: Tensor size mismatch: source {s.shape} has {s.nbytes} "
             f"bytes, destination {d.shape} has {d.nbytes}"

@@ -13,7 +13,7 @@ import numpy as np
 from .._base.errors import DeviceError, EpError, import_optional
 from .._graph.onnx_models import whole_model_source
 from .._graph.ort_compat import ir_version_for_ort
-from .._plugin.tensor import Tensor
+from .._plugin.tensor import Tensor, object_tensor
 from .values import contiguous
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def from_ort(value: Any) -> Any:
     tensors included), sequences lists of them; None (an absent optional) and maps stay."""
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
-            return Tensor._of_objects(value)
+            return object_tensor(value)
         return Tensor.from_numpy(contiguous(value))
     if isinstance(value, list):
         return [from_ort(v) for v in value]

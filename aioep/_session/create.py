@@ -18,7 +18,7 @@ from .._base.validate import check_int, check_options, describe
 from .._graph.graph import GraphView
 from .._graph.ort_compat import check_opsets
 from .._plugin.device import EpDevice
-from .._plugin.ep import Ep
+from .._plugin.ep import Ep, bind_ep
 from .cpu_fallback import load_whole
 from .external_data import check_external_data
 from .session import Session
@@ -174,5 +174,5 @@ def _create_ep(env: SessionHost, devs: list[EpDevice], ep_options: Mapping[str, 
         raise InvalidArgument(
             f"factory {factory.name!r}.create_ep returned {ep!r}, not an aioep.Ep"
         )
-    ep._bind(env.environment, devs)
+    bind_ep(ep, env.environment, devs)
     return ep

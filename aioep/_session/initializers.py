@@ -24,7 +24,7 @@ from .._base.types import MemoryInfo, MemoryType
 from .._copies.chunked_loader import DEFAULT_CHUNK_BYTES, ChunkedExternalDataLoader
 from .._plugin.device import EpDevice
 from .._plugin.loader import ExternalDataLoader
-from .._plugin.stream import SyncStream
+from .._plugin.stream import SyncStream, check_open
 from .external_data import InitializerSpec, read_initializers
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ def _checked_memory(
     if stream is not None:
         if not isinstance(stream, SyncStream):
             raise InvalidArgument(f"load_initializers: stream must be a SyncStream, got {stream!r}")
-        stream._check_open()
+        check_open(stream)
         if stream.ep_device is not ep_device:
             raise InvalidArgument(
                 f"load_initializers: {stream!r} belongs to {stream.ep_device!r}, not {ep_device!r}"

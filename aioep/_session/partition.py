@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._base.errors import InvalidArgument
-from .._graph.graph import GraphView
+from .._graph.graph import GraphView, with_assigned
 from .._graph.order import grouped_runs
 from .._plugin.ep import Ep, IndexedSubGraph, MetaDef
 
@@ -175,7 +175,7 @@ def _collect_claims(graph: GraphView, eps: Sequence[Ep]) -> list[_Claim]:
     reach = _Reach(graph)
     claims: list[_Claim] = []
     for ep in eps:
-        for claim in _capability(ep, graph._with_assigned(assigned)):
+        for claim in _capability(ep, with_assigned(graph, assigned)):
             if not isinstance(claim, IndexedSubGraph):
                 raise InvalidArgument(
                     f"EP {ep.name!r}: get_capability returned {claim!r}, not an IndexedSubGraph"

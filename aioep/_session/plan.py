@@ -19,8 +19,9 @@ import numpy.typing as npt
 from .._base.errors import InvalidArgument
 from .._base.progress import ProgressBar
 from .._base.types import DeviceType, MemoryDevice, MemoryInfo
+from .._plugin.buffer import HOST_MEMORY_INFO
 from .._plugin.ep import CompiledNode, Ep, FusedGroup
-from .._plugin.tensor import HOST_MEMORY_INFO, Tensor
+from .._plugin.tensor import Tensor
 from .cpu_fallback import load_parts, use_whole
 from .partition import Partition, assignment_of, partition_graph
 from .values import InputSpec, contiguous, input_specs, same_memory

@@ -16,7 +16,7 @@ from .._base.types import DeviceType, MemoryDevice
 from .._base.validate import describe
 from .._graph.types import ValueInfo
 from .._plugin.ownership import Scope, check_owner
-from .._plugin.tensor import Tensor
+from .._plugin.tensor import Tensor, object_tensor
 
 if TYPE_CHECKING:
     from .._graph.graph import GraphView
@@ -219,7 +219,7 @@ def _host_tensor(given: Any, want: np.dtype[Any] | None) -> Tensor:
     ``want``: the caller reports the dtype)."""
     array = np.asarray(given)
     if array.dtype.kind in "USO" and (want is None or want.hasobject):
-        return Tensor._of_objects(array.astype(object, copy=False))
+        return object_tensor(array.astype(object, copy=False))
     if want is not None and array.dtype != want:
         return Tensor.from_numpy(np.empty(0, array.dtype))
     return Tensor.from_numpy(contiguous(array))
@@ -252,5 +252,5 @@ def _host_data(name: str, value: Any) -> Any:
         return value
     array = np.asarray(value)
     if array.dtype.kind in "USO":
-        return Tensor._of_objects(array.astype(object, copy=False))
+        return object_tensor(array.astype(object, copy=False))
     return Tensor.from_numpy(contiguous(array))

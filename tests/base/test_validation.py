@@ -38,7 +38,7 @@ from aioep import (
     NoSuchFile,
 )
 from aioep._base.types import HOST_MEMORY_DEVICE
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 

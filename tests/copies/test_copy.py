@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aioep
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ from aioep._environment.host import (
     _split,
     host_hardware_device,
 )
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
 
 pytestmark = pytest.mark.anyio
 

@@ -20,9 +20,10 @@ import aioep
 from aioep import AllocatorType, DeviceError, InvalidArgument, MemoryType
 from aioep._environment.host import HostAllocator, HostFactory
 from aioep._memory.arena import SIZE_MAX, ArenaAllocator, ArenaConfig, ArenaExtendStrategy
-from aioep._memory.arena_pool import MAX_PARKED, PARK_MAX
+from aioep._memory.arena_parking import MAX_PARKED, PARK_MAX
 from aioep._plugin.stream import SyncStream
-from aioep._plugin.stream_impl import HostNotification, NotificationImpl, StreamImpl
+from aioep._plugin.stream_impl import NotificationImpl, StreamImpl
+from aioep._plugin.thread_stream import HostNotification
 
 MiB = 1 << 20
 ORT_STATS = (

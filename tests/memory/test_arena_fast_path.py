@@ -19,7 +19,7 @@ from test_arena import _MockStream, check_invariants, mock_stream
 import aioep
 from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig, ArenaExtendStrategy
-from aioep._memory.arena_pool import MAX_PARKED, PARK_MAX
+from aioep._memory.arena_parking import MAX_PARKED, PARK_MAX
 from aioep._plugin.stream import SyncStream
 
 MiB = 1 << 20

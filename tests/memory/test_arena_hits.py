@@ -16,7 +16,8 @@ from test_arena_pools import _SlowBase
 import aioep._memory.arena as arena_module
 from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig, ArenaExtendStrategy
-from aioep._memory.arena_pool import PARK_MAX, StreamPool
+from aioep._memory.arena_parking import PARK_MAX
+from aioep._memory.arena_pool import StreamPool
 
 MiB = 1 << 20
 
@@ -166,7 +167,7 @@ def test_a_busy_arena_evicts_its_cache_rather_than_grow() -> None:
     for _ in range(20):
         for n in (8 * MiB, 12 * MiB, 10 * MiB, 20 * MiB):  # together, more than is free
             a.alloc(n).free()
-    assert a._pool.evicted_large > a._pool.large.reserved  # past the thrashing mark
+    assert a._pool.parking.evicted_large > a._pool.large.reserved  # past the thrashing mark
     assert a.regions() == regions
     del keep
 

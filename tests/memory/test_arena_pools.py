@@ -14,7 +14,8 @@ from test_arena import _MockStream, mock_stream
 
 from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator, ArenaConfig, ArenaExtendStrategy
-from aioep._memory.arena_pool import PARK_MAX, StreamPool
+from aioep._memory.arena_parking import PARK_MAX
+from aioep._memory.arena_pool import StreamPool
 from aioep._plugin.stream import SyncStream
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ import pytest
 import aioep
 from aioep._environment.host import HostAllocator
 from aioep._memory.arena import ArenaAllocator
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
 
 
 class _Counter:
@@ -167,7 +167,7 @@ def test_exiting_with_live_buffers_is_quiet() -> None:
         import aioep
         from aioep._environment.host import HostAllocator
         from aioep._memory.arena import ArenaAllocator
-        from aioep._plugin.tensor import HOST_MEMORY_INFO
+        from aioep._plugin.buffer import HOST_MEMORY_INFO
 
         def release(finalizing=sys.is_finalizing):  # a backend torn down at exit
             if finalizing():

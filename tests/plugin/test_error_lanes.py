@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioep._plugin.stream_impl import enter_lane, leave_lane
+from aioep._plugin.thread_stream import enter_lane, leave_lane
 from aioep.abc import HostNotification, ThreadStream
 
 LANES = (None, 0, 1, 2)  # None: work enqueued outside any lane

@@ -14,7 +14,7 @@ pytest.importorskip("aioep_sim")
 
 import aioep
 from aioep import InvalidArgument, MemoryType
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
 from aioep.abc import HostNotification
 
 pytestmark = pytest.mark.anyio

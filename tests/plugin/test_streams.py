@@ -293,7 +293,7 @@ async def test_stream_needs_a_stream_aware_factory() -> None:
             return [aioep.EpDevice(self, hw, memory_infos={MemoryType.DEFAULT: info})]
 
         def create_allocator(self, memory_info: Any, options: Any) -> aioep.Allocator:
-            from aioep_sim._memory import PinnedAllocator
+            from aioep_sim._allocator import PinnedAllocator
 
             return PinnedAllocator(memory_info)
 

@@ -12,7 +12,8 @@ import pytest
 from _factories import FAKE_INFO, FakeGpuFactory
 
 import aioep
-from aioep._plugin.tensor import HOST_MEMORY_INFO
+from aioep._plugin.buffer import HOST_MEMORY_INFO
+from aioep._plugin.tensor import object_tensor
 
 pytestmark = pytest.mark.anyio
 
@@ -285,7 +286,7 @@ def test_pinned_memory_dlpack_device_matches_its_export() -> None:
 
 def test_string_tensors_from_sessions_are_host_only_and_read_only() -> None:
     strings = np.array([["a", "bc"], ["", "d"]], dtype=object)
-    t = aioep.Tensor._of_objects(strings)
+    t = object_tensor(strings)
     assert t.shape == (2, 2)
     assert t.dtype == object
     assert t.is_host_accessible
@@ -297,6 +298,6 @@ def test_string_tensors_from_sessions_are_host_only_and_read_only() -> None:
         t.__dlpack__()
     with pytest.raises(aioep.InvalidArgument, match="Python objects"):
         aioep.Tensor.from_numpy(strings)
-    scalar = aioep.Tensor._of_objects(np.array("x", dtype=object))
+    scalar = object_tensor(np.array("x", dtype=object))
     assert scalar.shape == ()
     assert scalar.numpy().item() == "x"

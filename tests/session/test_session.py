@@ -25,8 +25,8 @@ import aioep._session.plan  # noqa: E402
 from aioep import ClosedError, DeviceType, InvalidArgument, MemoryType, Tensor  # noqa: E402
 from aioep._environment.host import HostAllocator  # noqa: E402
 from aioep._graph.graph import GraphView  # noqa: E402
+from aioep._plugin.buffer import HOST_MEMORY_INFO  # noqa: E402
 from aioep._plugin.ep import CompiledNode, Ep, FusedGroup, IndexedSubGraph, MetaDef  # noqa: E402
-from aioep._plugin.tensor import HOST_MEMORY_INFO  # noqa: E402
 from aioep._session.plan import CopyPoint  # noqa: E402
 from aioep.abc import EpFactory, ThreadStream  # noqa: E402
 

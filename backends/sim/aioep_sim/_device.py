@@ -5,14 +5,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from aioep import DeviceError, DeviceType, HardwareDevice, MemoryDevice, MemoryInfo, MemoryType
 
 from ._memory import DEVICE_ALIGNMENT, DeviceMemory
 from ._options import SimOptions
 
-__all__ = ["SIM_VENDOR", "SIM_VENDOR_ID", "EngineUse", "SimDevice"]
+__all__ = ["SIM_VENDOR", "SIM_VENDOR_ID", "EngineUse", "SimDevice", "SimDevices"]
 
 SIM_VENDOR_ID = 0x5151
 SIM_VENDOR = "aioep-sim"
@@ -30,6 +30,15 @@ class EngineUse(NamedTuple):
     """When the copy took the engine."""
     end: float
     """When it let the engine go."""
+
+
+class SimDevices(Protocol):
+    """What finds the sim device that owns a memory (`SimFactory` is one): the EP reads and
+    writes tensors through it."""
+
+    def device(self, memory: MemoryInfo | MemoryDevice) -> SimDevice:
+        """The sim device that owns this memory."""
+        ...
 
 
 _new_use = tuple.__new__  # an EngineUse without its generated __new__'s Python frame

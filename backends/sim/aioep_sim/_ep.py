@@ -23,7 +23,7 @@ from aioep.abc import CompiledNode, Ep, FusedGroup, GraphView, IndexedSubGraph, 
 from ._stream import SimStream
 
 if TYPE_CHECKING:
-    from ._factory import SimFactory
+    from ._device import SimDevices
 
 __all__ = ["SUPPORTED_OPS", "SimEp"]
 
@@ -137,7 +137,7 @@ class _Work:
 
     def __init__(
         self,
-        factory: SimFactory,
+        factory: SimDevices,
         meta: MetaDef,
         nodes: Sequence[Node],
         inputs: list[Tensor],
@@ -184,7 +184,7 @@ class SimEp(Ep):
 
     name = "SimExecutionProvider"
 
-    def __init__(self, factory: SimFactory, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, factory: SimDevices, options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         opts = dict(options or {})
         ops = opts.pop("ops", None)

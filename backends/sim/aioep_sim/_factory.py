@@ -15,11 +15,11 @@ from aioep.abc import (
     reject_unknown_options,
 )
 
+from ._allocator import PinnedAllocator, SimAllocator
 from ._device import SIM_VENDOR_ID, SimDevice
 from ._dlpack import SimMemoryImporter
 from ._ep import SimEp
 from ._loader import SimExternalDataLoader
-from ._memory import PinnedAllocator, SimAllocator
 from ._options import SimOptions
 from ._stream import SimStream
 from ._transfer import SimDataTransfer

@@ -1,4 +1,4 @@
-"""Sim device memory: a private address space per device, and the two allocators.
+"""Sim device memory: a private address space per device (the allocators are in ``_allocator``).
 
 Device (DEFAULT) memory is not host memory as far as the rest of the program
 knows: an allocation gets an address in the device's own address space, far
@@ -17,20 +17,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from aioep import DeviceError
-from aioep.abc import Allocator, HostAllocator
 
-if TYPE_CHECKING:
-    from aioep import MemoryInfo, SyncStream
-
-    from ._device import SimDevice
-
-__all__ = ["DEVICE_ALIGNMENT", "DeviceMemory", "PinnedAllocator", "SimAllocator"]
+__all__ = ["DEVICE_ALIGNMENT", "DeviceMemory"]
 
 DEVICE_ALIGNMENT = 256  # what cudaMalloc guarantees
 _ADDRESS_SPACE_BITS = 44  # 16 TiB of address space per device
@@ -150,34 +143,3 @@ class DeviceMemory:
     def live_allocations(self) -> int:
         """Number of allocations not yet freed."""
         return len(self._blocks)
-
-
-class SimAllocator(Allocator):
-    """Allocates a sim device's DEFAULT memory (not host-accessible)."""
-
-    def __init__(self, memory_info: MemoryInfo, device: SimDevice) -> None:
-        super().__init__(memory_info)
-        self.device = device
-
-    def _allocate(self, nbytes: int, stream: SyncStream | None) -> int:
-        self.device.check_alive("allocate device memory")
-        return self.device.memory.allocate(nbytes)
-
-    def _free(self, ptr: int, nbytes: int, stream: SyncStream | None) -> None:
-        # Freeing works even on a lost device, so buffers can always be dropped.
-        self.device.memory.free(ptr)
-
-    def stats(self) -> dict[str, int]:
-        """The base counters plus the device's limit (``Limit``) and its total ``DeviceInUse``."""
-        out = super().stats()
-        out["Limit"] = self.device.memory.limit
-        out["DeviceInUse"] = self.device.memory.in_use
-        return out
-
-
-class PinnedAllocator(HostAllocator):
-    """Host memory the sim device can reach directly (HOST_ACCESSIBLE, like cudaHostAlloc).
-
-    Aligned host blocks, exactly as the core's host allocator hands them out: a
-    numpy view of a buffer keeps its block alive even after an explicit free.
-    """
