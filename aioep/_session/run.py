@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from time import perf_counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from time import perf_counter, thread_time
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio.lowlevel
@@ -125,9 +125,15 @@ class Runner:
         self._checks: tuple[_Check, ...] | None = None
         self._token = object()  # this session, in the inline budget's kinds
         self._kinds: dict[tuple[object, tuple[tuple[int, ...], ...]], _ShapeKind] = {}
+        self.single_threaded = False
+        """True when onnxruntime computes the session's CPU steps on the calling thread
+        alone (``intra_op_num_threads=1``): its runs are then timed in that thread's CPU
+        time, which a thread preempted by another process does not accrue."""
 
-    def prepared(self) -> None:
-        """The plan is built: work out the checks of the fast path (every input a tensor)."""
+    def prepared(self, single_threaded: bool) -> None:
+        """The plan is built: note whether onnxruntime computes on the calling thread alone
+        and work out the checks of the fast path (every input a tensor)."""
+        self.single_threaded = single_threaded
         specs = self.plan.input_specs
         if self.plan.direct is None or any(
             info.kind != "tensor" or dtype is None for _, dtype, _, info in specs
@@ -238,7 +244,10 @@ class Runner:
         inline budget lets this kind (this session, these input shapes) run on the loop
         thread: a kind is timed on a worker for its first `TRIAL_RUNS` runs, may run
         inline when the best of them is within `TRIAL_FACTOR` times the budget, and moves
-        off the loop for good at its first inline run over the budget.
+        off the loop for good at its first inline run over the budget. Runs are timed in
+        the running thread's CPU time where onnxruntime computes on that thread alone
+        (`single_threaded`: a loop thread preempted by another process is not the run's
+        overrun), else by the wall clock.
         """
         session = step.ort_session
         budget = self.env.inline_budget
@@ -248,12 +257,13 @@ class Runner:
             if state is None and len(self._kinds) < MAX_SHAPE_KINDS:
                 state = self._kinds[kind] = _ShapeKind()
             if state is not None:
+                clock = thread_time if self.single_threaded else perf_counter
                 if state.inline:
-                    start = perf_counter()
+                    start = clock()
                     try:
                         results = run_ort(session, feeds, names, run_options)
                     finally:
-                        seconds = perf_counter() - start
+                        seconds = clock() - start
                         budget.ran_inline(kind, 0, seconds)
                         if seconds > budget.budget:
                             state.inline = False  # the one overrun of this kind
@@ -261,7 +271,7 @@ class Runner:
                     return results
                 if state.inline is None:  # on trial
                     results, seconds = await self.workers.call(
-                        _timed, session, feeds, names, run_options
+                        _timed, clock, session, feeds, names, run_options
                     )
                     state.timed += 1
                     state.best = min(state.best, seconds)
@@ -617,12 +627,16 @@ async def _checkpoint() -> None:
 
 
 def _timed(
-    session: Any, feeds: dict[str, Any], names: list[str] | None, run_options: Any
+    clock: Callable[[], float],
+    session: Any,
+    feeds: dict[str, Any],
+    names: list[str] | None,
+    run_options: Any,
 ) -> tuple[list[Any], float]:
-    """`run_ort` on a worker, with the seconds it took."""
-    start = perf_counter()
+    """`run_ort` on a worker, with the seconds it took by ``clock``."""
+    start = clock()
     results = run_ort(session, feeds, names, run_options)
-    return results, perf_counter() - start
+    return results, clock() - start
 
 
 def _by_name(names: tuple[str, ...], results: list[Any]) -> dict[str, RunOutput]:

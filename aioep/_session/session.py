@@ -269,7 +269,7 @@ class Session(AsyncResource):
     async def _prepare(self, opts: Mapping[str, Any], preload: Future[Any] | None) -> None:
         try:
             await self._plan.build(self._env, self._eps, opts, preload, self._workers)
-            self._runner.prepared()
+            self._runner.prepared(opts.get("intra_op_num_threads") == 1)
             direct = self._plan.direct
             if direct is not None:  # onnxruntime runs the whole model: its own NodeArgs
                 self._node_args = ort_node_args(direct.ort_session)

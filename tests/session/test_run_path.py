@@ -56,8 +56,9 @@ def x_of(batch: int, seed: int = 0) -> np.ndarray:
 
 class OrtCalls:
     """`run_ort` as the session calls it, recording the thread of each call, with a fake
-    clock (``run_mod.perf_counter``) that a call advances by ``cost`` seconds: the inline
-    decisions then depend on the costs the test sets, not on the machine's speed."""
+    clock (``run_mod.perf_counter`` and ``thread_time``) that a call advances by ``cost``
+    seconds: the inline decisions then depend on the costs the test sets, not on the
+    machine's speed."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.threads: list[int] = []
@@ -85,6 +86,7 @@ class OrtCalls:
 
         monkeypatch.setattr(run_mod, "run_ort", run_ort)
         monkeypatch.setattr(run_mod, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(run_mod, "thread_time", lambda: self.now)
 
     def on_loop(self, loop_thread: int) -> int:
         return sum(t == loop_thread for t in self.threads)
@@ -247,6 +249,38 @@ async def test_a_kind_that_overruns_leaves_the_loop_for_good(calls: OrtCalls) ->
         await sess.run({"x": small})
         assert calls.on_loop(loop_thread) == 2
         assert env.inline_budget.overruns == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_a_preempted_loop_thread_is_not_the_runs_overrun(
+    calls: OrtCalls, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """With ``intra_op_num_threads=1`` a run is timed in its thread's CPU time: a wall-clock
+    stall (the loop thread preempted) does not move the kind off the loop. With more
+    threads onnxruntime's own threads compute too: the wall clock decides."""
+    loop_thread = threading.get_ident()
+    async with (
+        aioep.Environment(autoload=False, inline_budget_us=20) as env,
+        await cpu_session(env, {"intra_op_num_threads": threads}) as sess,
+    ):
+        calls.cost = 5e-6
+        for _ in range(run_mod.TRIAL_RUNS):
+            await sess.run({"x": x_of(2)})
+        wall = [0.0]
+
+        def stalled() -> float:  # each reading 1 ms later than the last
+            wall[0] += 1e-3
+            return wall[0]
+
+        monkeypatch.setattr(run_mod, "perf_counter", stalled)
+        for _ in range(5):
+            await sess.run({"x": x_of(2)})
+        if threads == 1:
+            assert calls.on_loop(loop_thread) == 5
+            assert env.inline_budget.overruns == 0
+        else:
+            assert calls.on_loop(loop_thread) == 1
+            assert env.inline_budget.overruns == 1
 
 
 async def test_a_kind_whose_trial_is_too_slow_never_runs_inline(calls: OrtCalls) -> None:
