@@ -21,6 +21,7 @@ from _models import model_of, reference, value_info  # noqa: E402
 from onnx import helper as h  # noqa: E402
 
 import aioep  # noqa: E402
+import aioep._session.direct as direct_mod  # noqa: E402
 import aioep._session.run as run_mod  # noqa: E402
 from aioep import DeviceType  # noqa: E402
 from aioep._streams.wake import LoopWaker  # noqa: E402
@@ -56,7 +57,7 @@ def x_of(batch: int, seed: int = 0) -> np.ndarray:
 
 class OrtCalls:
     """`run_ort` as the session calls it, recording the thread of each call, with a fake
-    clock (``run_mod.perf_counter`` and ``thread_time``) that a call advances by ``cost``
+    clock (``direct_mod.perf_counter`` and ``thread_time``) that a call advances by ``cost``
     seconds: the inline decisions then depend on the costs the test sets, not on the
     machine's speed."""
 
@@ -69,7 +70,7 @@ class OrtCalls:
         self.barrier: threading.Barrier | None = None
         self.results: list[list[Any]] = []
         self.returned = threading.Event()
-        real = run_mod.run_ort
+        real = direct_mod.run_ort
 
         def run_ort(session: Any, feeds: Any, *rest: Any) -> Any:
             self.threads.append(threading.get_ident())
@@ -84,9 +85,10 @@ class OrtCalls:
             self.returned.set()
             return out
 
-        monkeypatch.setattr(run_mod, "run_ort", run_ort)
-        monkeypatch.setattr(run_mod, "perf_counter", lambda: self.now)
-        monkeypatch.setattr(run_mod, "thread_time", lambda: self.now)
+        monkeypatch.setattr(direct_mod, "run_ort", run_ort)  # a run of the whole model
+        monkeypatch.setattr(run_mod, "run_ort", run_ort)  # a CPU step among EP steps
+        monkeypatch.setattr(direct_mod, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(direct_mod, "thread_time", lambda: self.now)
 
     def on_loop(self, loop_thread: int) -> int:
         return sum(t == loop_thread for t in self.threads)
@@ -210,10 +212,10 @@ async def test_cheap_kind_runs_inline_after_its_trial(calls: OrtCalls) -> None:
         await cpu_session(env) as sess,
     ):
         calls.cost = 5e-6
-        for _ in range(run_mod.TRIAL_RUNS):
+        for _ in range(direct_mod.TRIAL_RUNS):
             np.testing.assert_array_equal((await sess.run({"x": x}))["y"].numpy(), want)
         assert calls.on_loop(loop_thread) == 0  # the trial runs on workers
-        assert sess._runner.inline_kinds() == {((2, 16),): True}
+        assert sess._runner.direct_runs.inline_kinds() == {((2, 16),): True}
         for _ in range(5):
             np.testing.assert_array_equal((await sess.run({"x": x}))["y"].numpy(), want)
             (y,) = await sess.run(None, {"x": x})
@@ -235,7 +237,7 @@ async def test_the_first_inline_run_of_a_session_is_not_held_against_its_kind(
         await cpu_session(env) as sess,
     ):
         calls.cost = 5e-6
-        for _ in range(run_mod.TRIAL_RUNS):
+        for _ in range(direct_mod.TRIAL_RUNS):
             await sess.run({"x": x_of(2)})
         calls.cost = 300e-6
         await sess.run({"x": x_of(2)})  # the warm-up
@@ -244,7 +246,7 @@ async def test_the_first_inline_run_of_a_session_is_not_held_against_its_kind(
             await sess.run({"x": x_of(2)})
         assert calls.on_loop(loop_thread) == 6
         assert env.inline_budget.overruns == 0
-        assert sess._runner.inline_kinds() == {((2, 16),): True}
+        assert sess._runner.direct_runs.inline_kinds() == {((2, 16),): True}
         calls.cost = 300e-6  # now an overrun: only one, and the kind leaves the loop
         for _ in range(3):
             await sess.run({"x": x_of(2)})
@@ -260,21 +262,21 @@ async def test_a_kind_that_overruns_leaves_the_loop_for_good(calls: OrtCalls) ->
     ):
         small, large = x_of(2), x_of(64)
         calls.cost = 5e-6
-        for _ in range(run_mod.TRIAL_RUNS):
+        for _ in range(direct_mod.TRIAL_RUNS):
             await sess.run({"x": small})
             await sess.run({"x": large})
-        assert sess._runner.inline_kinds() == {((2, 16),): True, ((64, 16),): True}
+        assert sess._runner.direct_runs.inline_kinds() == {((2, 16),): True, ((64, 16),): True}
         await sess.run({"x": small})  # the loop thread's warm-up run of the session
         want = reference(mlp(), {"x": large})["y"]
         calls.cost = 100e-6  # the large kind now costs more than the budget
         for cost in (100e-6, 1e-6):  # cheap again later: it stays off the loop anyway
             calls.cost = cost
-            for _ in range(2 * run_mod.TRIAL_RUNS):
+            for _ in range(2 * direct_mod.TRIAL_RUNS):
                 got = await sess.run({"x": large})
                 np.testing.assert_array_equal(got["y"].numpy(), want)
         assert env.inline_budget.overruns == 1  # at most one overrun for the kind
         assert calls.on_loop(loop_thread) == 2
-        assert sess._runner.inline_kinds()[((64, 16),)] is False
+        assert sess._runner.direct_runs.inline_kinds()[((64, 16),)] is False
         # The other kind is untouched: it still runs inline.
         await sess.run({"x": small})
         assert calls.on_loop(loop_thread) == 3
@@ -294,7 +296,7 @@ async def test_a_preempted_loop_thread_is_not_the_runs_overrun(
         await cpu_session(env, {"intra_op_num_threads": threads}) as sess,
     ):
         calls.cost = 5e-6
-        for _ in range(run_mod.TRIAL_RUNS):
+        for _ in range(direct_mod.TRIAL_RUNS):
             await sess.run({"x": x_of(2)})
         wall = [0.0]
 
@@ -303,7 +305,7 @@ async def test_a_preempted_loop_thread_is_not_the_runs_overrun(
             return wall[0]
 
         await sess.run({"x": x_of(2)})  # the loop thread's warm-up run of the session
-        monkeypatch.setattr(run_mod, "perf_counter", stalled)
+        monkeypatch.setattr(direct_mod, "perf_counter", stalled)
         for _ in range(5):
             await sess.run({"x": x_of(2)})
         if threads == 1:
@@ -320,10 +322,10 @@ async def test_a_kind_whose_trial_is_too_slow_never_runs_inline(calls: OrtCalls)
         aioep.Environment(autoload=False, inline_budget_us=20) as env,
         await cpu_session(env) as sess,
     ):
-        calls.cost = (run_mod.TRIAL_FACTOR + 0.5) * 20e-6
-        for _ in range(3 * run_mod.TRIAL_RUNS):
+        calls.cost = (direct_mod.TRIAL_FACTOR + 0.5) * 20e-6
+        for _ in range(3 * direct_mod.TRIAL_RUNS):
             await sess.run({"x": x_of(2)})
-        assert sess._runner.inline_kinds() == {((2, 16),): False}
+        assert sess._runner.direct_runs.inline_kinds() == {((2, 16),): False}
         assert calls.on_loop(loop_thread) == 0
         assert env.inline_budget.inline_runs == env.inline_budget.overruns == 0
 
@@ -335,10 +337,10 @@ async def test_a_zero_budget_runs_nothing_inline(calls: OrtCalls) -> None:
         await cpu_session(env) as sess,
     ):
         calls.cost = 0.0
-        for _ in range(3 * run_mod.TRIAL_RUNS):
+        for _ in range(3 * direct_mod.TRIAL_RUNS):
             await sess.run({"x": x_of(2)})
         assert calls.on_loop(loop_thread) == 0
-        assert sess._runner.inline_kinds() == {}
+        assert sess._runner.direct_runs.inline_kinds() == {}
         assert env.inline_budget.inline_runs == 0
 
 
@@ -357,19 +359,19 @@ async def test_device_ep_runs_never_run_inline(calls: OrtCalls) -> None:
             assert sess.assignment == (SIM, "CPUExecutionProvider")
             calls.cost = 0.0
             x = np.arange(4, dtype=np.float32)
-            for _ in range(3 * run_mod.TRIAL_RUNS):
+            for _ in range(3 * direct_mod.TRIAL_RUNS):
                 got = await sess.run({"x": x}, output_location="host")
                 np.testing.assert_array_equal(got["y"].numpy(), reference(model, {"x": x})["y"])
-            assert len(calls.threads) == 3 * run_mod.TRIAL_RUNS  # the CPU step ran each time
+            assert len(calls.threads) == 3 * direct_mod.TRIAL_RUNS  # the CPU step ran each time
             assert calls.on_loop(loop_thread) == 0
-            assert sess._runner.inline_kinds() == {}
+            assert sess._runner.direct_runs.inline_kinds() == {}
 
 
 async def test_closing_a_session_drops_its_kinds_from_the_budget(calls: OrtCalls) -> None:
     async with aioep.Environment(autoload=False, inline_budget_us=20) as env:
         sess = await cpu_session(env)
         calls.cost = 5e-6
-        for _ in range(run_mod.TRIAL_RUNS + 2):  # the trial, the warm-up, one timed run
+        for _ in range(direct_mod.TRIAL_RUNS + 2):  # the trial, the warm-up, one timed run
             await sess.run({"x": x_of(2)})
         assert env.inline_budget.inline_runs == 1
         assert "1 kinds" in repr(env.inline_budget)
