@@ -1,55 +1,51 @@
-"""Session figures. Every figure is measured side by side with its baseline in one run
-and printed as a ratio against it.
+"""Session benchmarks: every figure a ratio against a named baseline measured in the same
+phase, interleaved with aioep's runs (short blocks, ABAB..., see ``_interleave.py``).
 
-On the host device (a small MLP):
+On the host (onnxruntime's CPU execution provider, ``intra_op_num_threads=1`` on both
+sides, each side its own onnxruntime session of the same model):
 
-(a) per-call latency of ``await session.run(...)`` vs
-    ``await asyncio.to_thread(onnxruntime.InferenceSession.run, ...)`` on the same model
-    with the same session options (target: ratio <= 1.2x);
-(b) throughput of 32 concurrent requests (``asyncio.gather``) vs the same 32 run one
-    after another, for aioep and for the to_thread baseline.
+(a) ``await session.run({"x": x})`` on a 2-layer MLP (x[8,256] -> MatMul 256x256, Add,
+    Relu -> MatMul 256x256, Add), and onnxruntime's form ``await session.run(None, ...)``,
+    vs the fair floor, the same hop around ``ort.run`` (a persistent thread runs it and
+    completes an asyncio future with ``call_soon_threadsafe``; target <= 1.2x), vs
+    ``await asyncio.to_thread(ort.run)`` (the naive alternative), and beside them
+    ``ort.run`` inline on the loop + ``await asyncio.sleep(0)`` (no hop at all: what the
+    inline path costs at best);
+(b) the same on a tiny model (x[1,16] -> Add -> Relu, ~10 us in onnxruntime), cheap
+    enough to run inline within the default inline budget;
+(c) 50 concurrent runs of the MLP (``asyncio.gather``): throughput vs 50 gathered
+    ``to_thread(ort.run)`` (target >= 1.2x), and vs the floor for concurrency: a pool
+    of persistent threads, as many as aioep's session workers, each running ``ort.run``
+    and completing a future with ``call_soon_threadsafe``.
 
-Both contenders use one onnxruntime CPU session each with ``intra_op_num_threads=1``
-(so concurrency, not intra-op threading, is what (b) measures).
+(a)-(c) run three times: with the environment's default inline budget, with
+``inline_budget_us=0`` (every run hops to a worker: the hop path alone) and with
+``inline_budget_us=250`` (the MLP runs inline too), so both paths are shown; each section
+records how many runs went inline and how many overran the budget.
 
-Issue 17's figures:
-
-(c) per-request latency of ``light_squeezenet`` and ``light_resnet50`` (onnx's test data)
-    on WebGPU: aioep with the input already on the device vs onnxruntime's IOBinding with
-    the same device-resident input in ``to_thread`` (target <= 1.1x), and vs plain
-    ``InferenceSession.run`` with a host numpy input (reported: the copies saved). A
-    request ends when its output is on the host: WebGPU queues work, and
-    ``run_with_iobinding`` returns before the device has finished, so every contender
-    reads its (4 KB) output back; inputs differ only in where they start;
-(d) two chained models on WebGPU, the first's output feeding the second, host input in
-    and host output out: aioep keeps the intermediate on the device, the onnxruntime
-    baseline (two ``to_thread`` runs) hands it over as a host array (target <= 0.8x).
-    Two chains: light_squeezenet cut in two after fire5 (a 746 KB intermediate), and a
-    1x1-conv stem (3->64 channels) feeding a global-average-pool head (a 12.8 MB
-    intermediate around little compute);
-(e) 32 concurrent requests vs the same 32 one after another, aioep and
-    onnxruntime-in-``to_thread`` side by side, on light_squeezenet with the CPU EP
-    (``intra_op_num_threads=1``): concurrent throughput ratio aioep / onnxruntime
-    (target >= 0.95x) and the event loop's max lag during aioep's concurrent runs
-    (a 1 ms ticker; target <= 10 ms). On the CPU EP because WebGPU runs of one device
-    are serialised on both sides (its EP crashes on overlapping device work), and 32
-    WebGPU squeezenet runs take ~10 s on a software adapter;
-(f) the sim EP with ``latency_us=200`` and ``bandwidth_gbps`` 2, then 1: 32 requests
+(d) 32 concurrent requests vs the same 32 one after another on ``light_squeezenet``
+    (onnx's test data, CPU EP, ``intra_op_num_threads=1``), aioep and onnxruntime in
+    ``to_thread`` in rotation: concurrent throughput aioep / onnxruntime (target >= 0.95x)
+    and the event loop's max lag during aioep's concurrent runs (a 1 ms ticker; target
+    <= 10 ms);
+(e) the sim EP with ``latency_us=200`` and ``bandwidth_gbps`` 2, then 1: 32 requests
     (4 MiB upload, Mul/Add/Relu, 4 MiB download), each on its own stream, concurrently
-    vs one after another (target >= 1.6x throughput: one request's copies overlap
-    another's copies and compute). The sim's copies are memcpys and its kernels numpy,
-    on the host's cores: the overlap this can show is bounded by the free cores.
+    vs one after another, alternated (target >= 1.6x throughput: one request's copies
+    overlap another's copies and compute, bounded by the host's free cores);
+(f) WebGPU, when an adapter is there (``onnxruntime-ep-webgpu``;
+    ``ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1`` is set if unset): per-request latency of
+    ``light_squeezenet`` and ``light_resnet50`` with the input on the device, aioep vs
+    onnxruntime's IOBinding with the same device-resident input in ``to_thread`` (target
+    <= 1.1x) and vs plain ``InferenceSession.run`` on a host input; and two chained models,
+    the intermediate kept on the device (aioep) vs handed over as a host array by two
+    ``to_thread`` runs (target <= 0.8x). onnxruntime's WebGPU calls hold the same device
+    lock as aioep's (its EP crashes when device work from several threads overlaps).
 
-WebGPU needs ``onnxruntime-ep-webgpu`` and an adapter (``ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER=1``
-is set if unset, so a software adapter such as lavapipe counts); without one (c) and (d)
-are skipped and say why. onnxruntime's WebGPU calls hold the same device lock as aioep's
-(ORT's WebGPU EP crashes when device work from several threads overlaps).
+Latencies are per-operation medians (min and p99 printed too); a ratio is a ratio of
+medians from one phase. Results go to ``benchmarks/results/session.json``;
+``benchmarks/summarize.py`` gives the min and median of each ratio over several runs.
 
-Latencies are medians over interleaved rounds (the order of the contenders rotates each
-round); throughputs are medians over repetitions. Results go to
-``benchmarks/results/session.json``.
-
-Usage: ``python benchmarks/session.py [--quick] [--json PATH]``
+Usage: ``python benchmarks/session.py [--quick] [--only-mlp] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -61,9 +57,8 @@ import copy
 import gc
 import json
 import os
-import platform
+import queue
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -73,6 +68,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from _interleave import FloorThread, interleave, line, machine, ratios, summary, verdict
 from onnx import TensorProto as TP
 from onnx import helper as h
 
@@ -82,37 +78,241 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "session.json"
 LIGHT = Path(onnx.__file__).resolve().parent / "backend" / "test" / "data" / "light"
 WEBGPU = "WebGpuExecutionProvider"
 N_REQUESTS = 32
+N_CONCURRENT = 50
+LARGE_BUDGET_US = 250.0
+BUDGETS = (
+    ("budget_default", None, "the default inline budget"),
+    ("budget_0", 0.0, "inline_budget_us=0"),
+    ("budget_250", LARGE_BUDGET_US, f"inline_budget_us={LARGE_BUDGET_US:g}"),
+)
+
+OURS = "aioep: await session.run({'x': x})"
+OURS_ORT = "aioep: await session.run(None, {'x': x})"
+FLOOR = "floor: ort.run on a persistent thread + call_soon_threadsafe"
+NAIVE = "naive: await asyncio.to_thread(ort.run)"
+INLINE = "inline: ort.run + await asyncio.sleep(0)"
+OURS_50 = f"aioep: gather of {N_CONCURRENT} session.run"
+NAIVE_50 = f"naive: gather of {N_CONCURRENT} to_thread(ort.run)"
+FLOOR_50 = f"floor: {N_CONCURRENT} ort.run on a pool of persistent threads"
 
 
-def mlp(batch: int = 8, width: int = 64, depth: int = 3) -> Any:
-    """x[batch, width] -> depth x (MatMul, Add, Relu) -> MatMul -> y[batch, 10]."""
-    rng = np.random.default_rng(0)
-    nodes, inits, prev = [], [], "x"
-    for i in range(depth):
-        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        inits += [
-            onnx.numpy_helper.from_array(w, f"w{i}"),
-            onnx.numpy_helper.from_array(np.zeros(width, np.float32), f"b{i}"),
-        ]
-        nodes += [
-            h.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]),
-            h.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
-            h.make_node("Relu", [f"a{i}"], [f"r{i}"]),
-        ]
-        prev = f"r{i}"
-    inits.append(
-        onnx.numpy_helper.from_array(rng.standard_normal((width, 10)).astype(np.float32), "wo")
-    )
-    nodes.append(h.make_node("MatMul", [prev, "wo"], ["y"]))
+def _model(nodes: list[Any], x: list[int], y: list[int], inits: list[Any], name: str) -> Any:
     graph = h.make_graph(
         nodes,
-        "mlp",
-        [h.make_tensor_value_info("x", TP.FLOAT, [batch, width])],
-        [h.make_tensor_value_info("y", TP.FLOAT, [batch, 10])],
+        name,
+        [h.make_tensor_value_info("x", TP.FLOAT, x)],
+        [h.make_tensor_value_info("y", TP.FLOAT, y)],
         inits,
     )
     # IR 10: what every supported onnxruntime loads (onnx's default may be newer).
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=10)
+
+
+def mlp(batch: int = 8, width: int = 256) -> Any:
+    """x[batch, width] -> MatMul w0, Add b0, Relu -> MatMul w1, Add b1 -> y[batch, width]."""
+    rng = np.random.default_rng(0)
+    inits = []
+    for i in range(2):
+        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        inits += [
+            onnx.numpy_helper.from_array(w, f"w{i}"),
+            onnx.numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), f"b{i}"),
+        ]
+    nodes = [
+        h.make_node("MatMul", ["x", "w0"], ["m0"]),
+        h.make_node("Add", ["m0", "b0"], ["a0"]),
+        h.make_node("Relu", ["a0"], ["r0"]),
+        h.make_node("MatMul", ["r0", "w1"], ["m1"]),
+        h.make_node("Add", ["m1", "b1"], ["y"]),
+    ]
+    return _model(nodes, [batch, width], [batch, width], inits, "mlp")
+
+
+def tiny(width: int = 16) -> Any:
+    """x[1, width] -> Add c -> Relu -> y[1, width]."""
+    c = onnx.numpy_helper.from_array(np.linspace(-1, 1, width, dtype=np.float32), "c")
+    nodes = [h.make_node("Add", ["x", "c"], ["a"]), h.make_node("Relu", ["a"], ["y"])]
+    return _model(nodes, [1, width], [1, width], [c], "tiny")
+
+
+def ort_session(model: Any) -> Any:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def budget_counts(env: Any) -> dict[str, Any]:
+    budget = getattr(env, "inline_budget", None)  # None before aioep had one
+    return {
+        "inline_runs": None if budget is None else budget.inline_runs,
+        "overruns": None if budget is None else budget.overruns,
+    }
+
+
+def session_workers(session: Any) -> int | None:
+    """How many worker threads aioep's session runs on (None: not known to this aioep)."""
+    workers = getattr(session, "_workers", None)
+    size = getattr(workers, "max_workers", None)
+    return int(size) if size is not None else None
+
+
+class FloorPool:
+    """``threads`` persistent threads on one queue, each running ``work()`` per request and
+    completing the request's asyncio future with ``call_soon_threadsafe``: the floor of
+    concurrent hops."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[[], object], threads: int):
+        self._loop = loop
+        self._work = work
+        self._jobs: queue.SimpleQueue[asyncio.Future[None] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"floor-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        get, work, call = self._jobs.get, self._work, self._loop.call_soon_threadsafe
+        while True:
+            fut = get()
+            if fut is None:
+                return
+            work()
+            call(fut.set_result, None)
+
+    async def hop(self) -> None:
+        fut = self._loop.create_future()
+        self._jobs.put(fut)
+        await fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def _section(
+    samples: dict[str, list[float]], ours: list[str], baselines: list[str]
+) -> dict[str, Any]:
+    stats = {n: summary(v) for n, v in samples.items()}
+    out: dict[str, float] = {}
+    for name in ours:
+        out.update(ratios(stats, name, baselines))
+    return {"stats": stats, "ratios": out}
+
+
+async def latency(
+    model: Any, x: np.ndarray, budget_us: float | None, rounds: int, block: int
+) -> dict[str, Any]:
+    """(a) / (b): one model, aioep's two forms vs the floor, to_thread and inline."""
+    loop = asyncio.get_running_loop()
+    base = ort_session(model)
+    feeds = {"x": x}
+    want = base.run(None, feeds)[0]
+    floor = FloorThread(loop, lambda: base.run(None, feeds))
+    kwargs = {} if budget_us is None else {"inline_budget_us": budget_us}
+    try:
+        async with aioep.Environment(autoload=False, **kwargs) as env:
+            host = env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
+            session = await env.create_session(model, [host], {"intra_op_num_threads": 1})
+            got = (await session.run({"x": x}))["y"].numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+            async def ours() -> None:
+                await session.run({"x": x})
+
+            async def ours_ort() -> None:
+                await session.run(None, {"x": x})
+
+            async def naive() -> None:
+                await asyncio.to_thread(base.run, None, feeds)
+
+            async def inline() -> None:
+                base.run(None, feeds)
+                await asyncio.sleep(0)
+
+            samples = await interleave(
+                {OURS: ours, OURS_ORT: ours_ort, FLOOR: floor.hop, NAIVE: naive, INLINE: inline},
+                rounds=rounds,
+                block=block,
+            )
+            out = _section(samples, [OURS, OURS_ORT], [FLOOR, NAIVE, INLINE])
+            out.update(budget_counts(env))
+            await session.aclose()
+    finally:
+        floor.close()
+    return out
+
+
+async def gathered(
+    model: Any, x: np.ndarray, budget_us: float | None, rounds: int, block: int
+) -> dict[str, Any]:
+    """(c): 50 gathered runs of aioep vs 50 gathered to_thread runs vs the floor pool."""
+    loop = asyncio.get_running_loop()
+    base = ort_session(model)
+    feeds = {"x": x}
+    kwargs = {} if budget_us is None else {"inline_budget_us": budget_us}
+    async with aioep.Environment(autoload=False, **kwargs) as env:
+        host = env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
+        session = await env.create_session(model, [host], {"intra_op_num_threads": 1})
+        threads = session_workers(session) or min(32, (os.cpu_count() or 1) + 4)
+        pool = FloorPool(loop, lambda: base.run(None, feeds), threads)
+        try:
+
+            async def ours() -> None:
+                await asyncio.gather(*(session.run({"x": x}) for _ in range(N_CONCURRENT)))
+
+            async def naive() -> None:
+                await asyncio.gather(
+                    *(asyncio.to_thread(base.run, None, feeds) for _ in range(N_CONCURRENT))
+                )
+
+            async def floor() -> None:
+                await asyncio.gather(*(pool.hop() for _ in range(N_CONCURRENT)))
+
+            samples = await interleave(
+                {OURS_50: ours, NAIVE_50: naive, FLOOR_50: floor}, rounds=rounds, block=block
+            )
+        finally:
+            pool.close()
+        counts = budget_counts(env)
+        await session.aclose()
+    stats = {n: summary(v) for n, v in samples.items()}
+    per_s = {n: N_CONCURRENT / (s["median_us"] * 1e-6) for n, s in stats.items()}
+    return {
+        "stats": stats,
+        "runs_per_s": per_s,
+        "threads": threads,
+        "ratios": {
+            f"throughput {OURS_50} / {NAIVE_50}": per_s[OURS_50] / per_s[NAIVE_50],
+            f"throughput {OURS_50} / {FLOOR_50}": per_s[OURS_50] / per_s[FLOOR_50],
+        },
+        **counts,
+    }
+
+
+async def host_figures(quick: bool) -> dict[str, Any]:
+    """(a)-(c), at each budget of `BUDGETS`."""
+    rng = np.random.default_rng(1)
+    x_mlp = rng.standard_normal((8, 256)).astype(np.float32)
+    x_tiny = rng.standard_normal((1, 16)).astype(np.float32)
+    rounds, block = (15, 20) if quick else (40, 25)
+    c_rounds, c_block = (8, 3) if quick else (20, 5)
+    out: dict[str, Any] = {
+        "mlp": "x[8,256] -> MatMul 256x256, Add, Relu -> MatMul 256x256, Add, float32",
+        "tiny": "x[1,16] -> Add, Relu, float32",
+    }
+    for key, budget, _ in BUDGETS:
+        part: dict[str, Any] = {}
+        part["mlp"] = await latency(mlp(), x_mlp, budget, rounds, block)
+        part["mlp"]["target"] = 1.2
+        part["tiny"] = await latency(tiny(), x_tiny, budget, rounds, block)
+        part["concurrent_50"] = await gathered(mlp(), x_mlp, budget, c_rounds, c_block)
+        part["concurrent_50"]["target"] = 1.2
+        out[key] = part
+    return out
 
 
 async def per_call(fn: Any, n: int) -> list[float]:
@@ -134,65 +334,7 @@ async def burst(fn: Any, n: int, concurrent: bool) -> float:
     return time.perf_counter() - t0
 
 
-async def host_mlp(quick: bool) -> dict[str, Any]:
-    """Figures (a) and (b)."""
-    model = mlp()
-    x = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    baseline = ort.InferenceSession(
-        model.SerializeToString(), so, providers=["CPUExecutionProvider"]
-    )
-    rounds, calls = (5, 200) if quick else (15, 400)
-
-    async with aioep.Environment(autoload=False) as env:
-        host = env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
-        session = await env.create_session(model, [host], {"intra_op_num_threads": 1})
-        want = baseline.run(None, {"x": x})[0]
-        got = (await session.run({"x": x}))["y"].numpy()
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-        async def aioep_call() -> Any:
-            return await session.run({"x": x})
-
-        async def ort_call() -> Any:
-            return await asyncio.to_thread(baseline.run, None, {"x": x})
-
-        for fn in (aioep_call, ort_call):  # warm up threads and sessions
-            await per_call(fn, 50)
-        a_lat: list[float] = []
-        o_lat: list[float] = []
-        for _ in range(rounds):  # interleave so drift hits both alike
-            a_lat.append(statistics.median(await per_call(aioep_call, calls // rounds)))
-            o_lat.append(statistics.median(await per_call(ort_call, calls // rounds)))
-        a_med, o_med = statistics.median(a_lat), statistics.median(o_lat)
-
-        n = 32
-        reps = 5 if quick else 20
-        thr: dict[str, dict[str, float]] = {}
-        for name, fn in (("aioep", aioep_call), ("to_thread", ort_call)):
-            seq = min([await burst(fn, n, False) for _ in range(reps)])
-            con = min([await burst(fn, n, True) for _ in range(reps)])
-            thr[name] = {
-                "sequential_req_per_s": n / seq,
-                "concurrent_req_per_s": n / con,
-                "concurrent_vs_sequential": seq / con,
-            }
-        await session.aclose()
-
-    return {
-        "model": "MLP x[8,64] -> 3 x (MatMul 64x64, Add, Relu) -> MatMul 64x10, float32",
-        "latency": {
-            "aioep_session_run_us": a_med * 1e6,
-            "ort_run_in_to_thread_us": o_med * 1e6,
-            "ratio": a_med / o_med,
-            "target_ratio_max": 1.2,
-        },
-        "throughput_32_requests": thr,
-    }
-
-
-# --- shared helpers for figures (c)-(f) ---------------------------------------------------
+# --- shared helpers for figures (d)-(f) ---------------------------------------------------
 
 
 def light_model(name: str) -> tuple[Any, str, str]:
@@ -346,7 +488,7 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-3, atol=1e-4)
 
 
-# --- (c), (d), WebGPU (e): WebGPU ---------------------------------------------------------
+# --- (f): WebGPU ---------------------------------------------------------
 
 
 class WebGpu:
@@ -373,7 +515,7 @@ class WebGpu:
 
 
 async def webgpu_latency(g: WebGpu, name: str, rounds: int, calls: int) -> dict[str, Any]:
-    """(c) one model: device-resident input in aioep vs ORT IOBinding vs ORT host input."""
+    """(f) one model: device-resident input in aioep vs ORT IOBinding vs ORT host input."""
     model, data, oname = light_model(name)
     x, lock = g.x, g.lock
     sess = await g.env.create_session(model, [g.dev])
@@ -424,9 +566,12 @@ async def webgpu_latency(g: WebGpu, name: str, rounds: int, calls: int) -> dict[
         "aioep_device_input_ms": med["aioep"] * 1e3,
         "ort_iobinding_device_input_in_to_thread_ms": med["ort_iobinding"] * 1e3,
         "ort_run_host_input_in_to_thread_ms": med["ort_host"] * 1e3,
-        "ratio_vs_iobinding": med["aioep"] / med["ort_iobinding"],
-        "target_ratio_vs_iobinding_max": 1.1,
-        "ratio_vs_host_run": med["aioep"] / med["ort_host"],
+        "ratios": {
+            "aioep device input / ORT IOBinding device input in to_thread": med["aioep"]
+            / med["ort_iobinding"],
+            "aioep device input / ORT run host input in to_thread": med["aioep"] / med["ort_host"],
+        },
+        "target": 1.1,
         "calls_per_contender": rounds * calls,
         "nodes_not_on_webgpu": sorted(
             {
@@ -441,7 +586,7 @@ async def webgpu_latency(g: WebGpu, name: str, rounds: int, calls: int) -> dict[
 async def webgpu_chain(
     g: WebGpu, m1: Any, m2: Any, names: tuple[str, str, str], rounds: int, calls: int
 ) -> dict[str, Any]:
-    """(d) m1's output ``mid`` feeds m2: kept on the device (aioep) vs a host array (ORT)."""
+    """(f) m1's output ``mid`` feeds m2: kept on the device (aioep) vs a host array (ORT)."""
     i1, mid, o2 = names
     x, lock = g.x, g.lock
     a1 = await g.env.create_session(m1, [g.dev])
@@ -473,8 +618,8 @@ async def webgpu_chain(
         "intermediate": f"{mid} {list(y_host.shape)} float32, {y_host.nbytes / 1e6:.2f} MB",
         "aioep_on_device_ms": med["aioep"] * 1e3,
         "ort_host_arrays_in_to_thread_ms": med["ort"] * 1e3,
-        "ratio": med["aioep"] / med["ort"],
-        "target_ratio_max": 0.8,
+        "ratios": {"aioep on device / ORT host arrays in to_thread": med["aioep"] / med["ort"]},
+        "target": 0.8,
         "calls_per_contender": rounds * calls,
     }
 
@@ -517,7 +662,7 @@ async def webgpu_figures(quick: bool) -> dict[str, Any]:
     return out
 
 
-# --- (e) CPU EP ----------------------------------------------------------------------------
+# --- (d) CPU EP ----------------------------------------------------------------------------
 
 
 async def cpu_concurrency(quick: bool) -> dict[str, Any]:
@@ -540,12 +685,19 @@ async def cpu_concurrency(quick: bool) -> dict[str, Any]:
         close(next(iter((await aioep_call()).values())).numpy(), want)
         for fn in (aioep_call, ort_call):
             await per_call(fn, 3)
-        res = await concurrency({"aioep": aioep_call, "ort_to_thread": ort_call}, 3 if quick else 8)
+        res: dict[str, Any] = await concurrency(
+            {"aioep": aioep_call, "ort_to_thread": ort_call}, 3 if quick else 8
+        )
         await sess.aclose()
+    res["ratios"] = {
+        "concurrent throughput aioep / ORT in to_thread": res["aioep"]["concurrent_req_per_s"]
+        / res["ort_to_thread"]["concurrent_req_per_s"]
+    }
+    res["target"] = 0.95
     return res
 
 
-# --- (f) sim EP: copy/compute overlap across streams --------------------------------------
+# --- (e) sim EP: copy/compute overlap across streams --------------------------------------
 
 
 async def sim_overlap(quick: bool, opts: dict[str, float]) -> dict[str, Any]:
@@ -596,109 +748,102 @@ async def sim_overlap(quick: bool, opts: dict[str, float]) -> dict[str, Any]:
         "throttled_copy_ms": per_copy * 1e3,
         "sequential_req_per_s": N_REQUESTS / s,
         "concurrent_req_per_s": N_REQUESTS / c,
-        "ratio": s / c,
-        "target_ratio_min": 1.6,
+        "ratios": {"throughput concurrent / one after another": s / c},
+        "target": 1.6,
     }
 
 
-async def main(quick: bool) -> dict[str, Any]:
+async def main(quick: bool, only_mlp: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     results: dict[str, Any] = {
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "onnxruntime": ort.__version__,
-        },
+        "machine": {**machine(), "onnxruntime": ort.__version__},
         "quick": quick,
+        "aioep": str(Path(aioep.__file__).parent),
     }
-    results.update(await host_mlp(quick))
-    results["webgpu"] = await webgpu_figures(quick)
-    results["cpu_concurrency_32"] = await cpu_concurrency(quick)
-    results["sim_overlap_32"] = [
-        await sim_overlap(quick, {"bandwidth_gbps": gbps, "latency_us": 200}) for gbps in (2, 1)
-    ]
+    results["host"] = await host_figures(quick)
+    if not only_mlp:
+        results["cpu_concurrency_32"] = await cpu_concurrency(quick)
+        results["sim_overlap_32"] = {
+            f"{gbps}_gbps": await sim_overlap(quick, {"bandwidth_gbps": gbps, "latency_us": 200})
+            for gbps in (2, 1)
+        }
+        results["webgpu"] = await webgpu_figures(quick)
     results["seconds"] = time.perf_counter() - t0
     return results
 
 
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+def report_section(title: str, section: dict[str, Any], *, at_most: bool = True) -> None:
+    print(title)
+    for name, stats in section["stats"].items():
+        print(line(name, stats))
+    target = section.get("target")
+    for i, (name, ratio) in enumerate(section["ratios"].items()):
+        goal = ""
+        if target and i == 0:
+            sign = "<=" if at_most else ">="
+            goal = f" (target {sign} {target}x: {verdict(ratio, target, at_most=at_most)})"
+        print(f"    {name}: {ratio:.2f}x{goal}")
+    if section.get("inline_runs") is not None:
+        print(f"    inline runs {section['inline_runs']}, overruns {section['overruns']}")
 
 
 def report(results: dict[str, Any]) -> None:
-    lat = results["latency"]
-    print(
-        f"(a) per-call: aioep session.run {lat['aioep_session_run_us']:.1f} us, "
-        f"ORT run in to_thread {lat['ort_run_in_to_thread_us']:.1f} us, "
-        f"ratio {lat['ratio']:.2f}x (target <= 1.2x)"
-    )
-    for name, t in results["throughput_32_requests"].items():
-        print(
-            f"(b) {name}: 32 sequential {t['sequential_req_per_s']:.0f} req/s, "
-            f"32 concurrent {t['concurrent_req_per_s']:.0f} req/s "
-            f"({t['concurrent_vs_sequential']:.2f}x)"
+    print(f"aioep from {results['aioep']}; load average {results['machine']['load_average']}")
+    host = results["host"]
+    for key, _, label in BUDGETS:
+        part = host[key]
+        report_section(f"(a) MLP {host['mlp']}, {label}", part["mlp"])
+        report_section(f"(b) tiny model {host['tiny']}, {label}", part["tiny"])
+        c = part["concurrent_50"]
+        report_section(
+            f"(c) {N_CONCURRENT} concurrent MLP runs, {label} ({c['threads']} threads in the "
+            "floor pool)",
+            c,
+            at_most=False,
         )
-    wg = results["webgpu"]
-    if "skipped" in wg:
-        print(f"(c), (d) skipped: {wg['skipped']}")
-    else:
-        print(f"WebGPU device: {wg['adapter']}")
-        for name, r in wg["latency"].items():
-            off = (
-                f"; not on WebGPU: {', '.join(r['nodes_not_on_webgpu'])}"
-                if r["nodes_not_on_webgpu"]
-                else ""
-            )
+    if "cpu_concurrency_32" in results:
+        c = results["cpu_concurrency_32"]
+        for name in ("aioep", "ort_to_thread"):
+            t = c[name]
             print(
-                f"(c) {name}: aioep device input {r['aioep_device_input_ms']:.1f} ms, "
-                f"ORT IOBinding device input {r['ort_iobinding_device_input_in_to_thread_ms']:.1f} ms "
-                f"-> {r['ratio_vs_iobinding']:.2f}x (target <= 1.1x: "
-                f"{verdict(r['ratio_vs_iobinding'] <= 1.1)}); "
-                f"ORT run host input {r['ort_run_host_input_in_to_thread_ms']:.1f} ms "
-                f"-> {r['ratio_vs_host_run']:.2f}x [{r['calls_per_contender']} calls each{off}]"
+                f"(d) light_squeezenet, {name}: 32 one after another "
+                f"{t['sequential_req_per_s']:.1f} req/s, 32 concurrent "
+                f"{t['concurrent_req_per_s']:.1f} req/s, loop lag max {t['loop_lag_max_ms']:.2f} ms"
             )
-        for name, r in wg["chain"].items():
-            print(
-                f"(d) chain {name} ({r['intermediate']}): aioep on device "
-                f"{r['aioep_on_device_ms']:.1f} ms, ORT host arrays "
-                f"{r['ort_host_arrays_in_to_thread_ms']:.1f} ms -> {r['ratio']:.2f}x "
-                f"(target <= 0.8x: {verdict(r['ratio'] <= 0.8)}) [{r['calls_per_contender']} calls each]"
-            )
-    conc = [("CPU EP, light_squeezenet", results["cpu_concurrency_32"])]
-    for where, c in conc:
-        for name, t in c.items():
-            print(
-                f"(e) {where}, {name}: 32 sequential {t['sequential_req_per_s']:.1f} req/s, "
-                f"32 concurrent {t['concurrent_req_per_s']:.1f} req/s "
-                f"({t['concurrent_vs_sequential']:.2f}x), loop lag max "
-                f"{t['loop_lag_max_ms']:.2f} ms (median of maxima {t['loop_lag_median_of_max_ms']:.2f} ms)"
-            )
-        ratio = c["aioep"]["concurrent_req_per_s"] / c["ort_to_thread"]["concurrent_req_per_s"]
-        c["aioep_vs_ort_concurrent_throughput"] = ratio
+        ((name, ratio),) = c["ratios"].items()
         lag = c["aioep"]["loop_lag_max_ms"]
         print(
-            f"(e) {where}: aioep / ORT-in-threads concurrent throughput {ratio:.2f}x "
-            f"(target >= 0.95x: {verdict(ratio >= 0.95)}); aioep loop lag max {lag:.2f} ms "
-            f"(target <= 10 ms: {verdict(lag <= 10)})"
+            f"    {name}: {ratio:.2f}x (target >= 0.95x: {verdict(ratio, 0.95, at_most=False)}); "
+            f"aioep loop lag max {lag:.2f} ms (target <= 10 ms: {verdict(lag, 10)})"
         )
-    for s in results["sim_overlap_32"]:
-        print(
-            f"(f) sim bandwidth {s['options']['bandwidth_gbps']} GB/s, latency "
-            f"{s['options']['latency_us']} us ({s['throttled_copy_ms']:.2f} ms a copy): "
-            f"32 sequential {s['sequential_req_per_s']:.1f} req/s, 32 concurrent on "
-            f"per-request streams {s['concurrent_req_per_s']:.1f} req/s -> {s['ratio']:.2f}x "
-            f"(target >= 1.6x: {verdict(s['ratio'] >= 1.6)})"
-        )
+        for s in results["sim_overlap_32"].values():
+            ((name, ratio),) = s["ratios"].items()
+            print(
+                f"(e) sim {s['options']['bandwidth_gbps']} GB/s, latency "
+                f"{s['options']['latency_us']} us: 32 one after another "
+                f"{s['sequential_req_per_s']:.1f} req/s, concurrent on per-request streams "
+                f"{s['concurrent_req_per_s']:.1f} req/s\n    {name}: {ratio:.2f}x "
+                f"(target >= 1.6x: {verdict(ratio, 1.6, at_most=False)})"
+            )
+        wg = results["webgpu"]
+        if "skipped" in wg:
+            print(f"(f) skipped: {wg['skipped'][:200]}")
+        else:
+            print(f"(f) WebGPU device: {wg['adapter']}")
+            for name, r in [*wg["latency"].items(), *wg["chain"].items()]:
+                for i, (what, ratio) in enumerate(r["ratios"].items()):
+                    goal = f" (target <= {r['target']}x)" if i == 0 else ""
+                    print(f"    {name}: {what}: {ratio:.2f}x{goal}")
     print(f"total {results['seconds']:.0f} s")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only-mlp", action="store_true", help="figures (a)-(c) only")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     args = parser.parse_args()
-    results = asyncio.run(main(args.quick))
+    results = asyncio.run(main(args.quick, args.only_mlp))
     report(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")

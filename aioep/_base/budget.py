@@ -186,6 +186,12 @@ class InlineBudget:
         finally:
             self.record(kind, nbytes, time.thread_time() - start, inline=False)
 
+    def forget(self, kind: Hashable) -> None:
+        """Drop what was measured of ``kind`` (whose work will not come again: a closed
+        session's), so that the budget does not grow with every kind ever seen."""
+        with self._lock:
+            self._kinds.pop(kind, None)
+
     def __repr__(self) -> str:
         return (
             f"<InlineBudget {self.budget * 1e6:g} us: {self.inline_runs} inline runs, "

@@ -177,8 +177,8 @@ class Environment(AsyncResource):
         stream_pool_size: the most streams per EP device that `pooled_stream` lends
             (1 to 1024; default 4).
         inline_budget_us: the most event-loop time, in microseconds, one piece of host
-            work may take to run inline instead of hopping to a thread (a small copy);
-            measured per kind of work, see `inline_budget`. 0 runs nothing
+            work may take to run inline instead of hopping to a thread (a small copy, a
+            CPU-only session run); measured per kind of work, see `inline_budget`. 0 runs nothing
             inline; default 20 (``aioep.abc.DEFAULT_INLINE_BUDGET_US``).
     """
 
@@ -215,8 +215,8 @@ class Environment(AsyncResource):
 
     @property
     def inline_budget(self) -> InlineBudget:
-        """Decides which small host work runs inline on the event loop: copies a host
-        memcpy does, while their measured cost stays within ``inline_budget_us``."""
+        """Decides which small host work (host memcpys, CPU-only session runs) runs inline on
+        the event loop, while its measured cost stays within ``inline_budget_us``."""
         return self._copies.budget
 
     @property

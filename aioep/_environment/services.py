@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._base.budget import InlineBudget
 from .._base.errors import ClosedError
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ class EnvironmentServices:
     def scope(self) -> Scope:
         """The environment's ownership scope."""
         return self._scope
+
+    @property
+    def inline_budget(self) -> InlineBudget:
+        """The environment's inline budget (its copies' and its sessions')."""
+        return self._copies.budget
 
     def check_open(self) -> None:
         """Raise `ClosedError` unless the environment is open."""

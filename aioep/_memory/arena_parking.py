@@ -81,7 +81,7 @@ class ParkedChunks:
         cached = self.cached
         b = rounded.bit_length()
         lowest = rounded << 64
-        for chunks in (cached[b], cached[b + 1]):
+        for chunks in cached[b : b + 2]:  # a slice: sizes near 2**64 have no next list
             i = _bisect_left(chunks, lowest, key=_KEY)
             try:
                 chunk = chunks[i]

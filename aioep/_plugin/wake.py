@@ -251,14 +251,25 @@ def runs_event_loop() -> bool:
     """True when the calling thread is running an asyncio or trio event loop (in a task
     or in a callback of it); False on worker threads and in synchronous programs.
 
-    asyncio's running loop for this thread, then, only when trio is imported,
-    ``trio.lowlevel.in_trio_run()``: two thread-local lookups, about a microsecond in all.
-    anyio runs on one of the two, so it is covered.
+    asyncio's running loop for this thread, then, only when trio is imported, trio's run
+    of this thread: two thread-local lookups, about a microsecond in all. anyio runs on one
+    of the two, so it is covered.
     """
     if asyncio._get_running_loop() is not None:
         return True
     trio = sys.modules.get("trio")
-    return trio is not None and bool(trio.lowlevel.in_trio_run())
+    if trio is None:
+        return False
+    in_trio_run = getattr(trio.lowlevel, "in_trio_run", None)
+    if in_trio_run is not None:  # trio >= 0.27
+        return bool(in_trio_run())
+    # Older trio (the lowest declared version has no in_trio_run): current_trio_token()
+    # raises outside a run.
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        return False
+    return True
 
 
 def warn_if_blocking_loop(waiter: object, done: Callable[[], bool]) -> None:

@@ -13,14 +13,23 @@ import numpy as np
 from .._base.errors import DeviceError, EpError, import_optional
 from .._graph.onnx_models import whole_model_source
 from .._graph.ort_compat import ir_version_for_ort
-from .._plugin.tensor import Tensor, object_tensor
+from .._plugin.tensor import Tensor, checked_host_tensor, object_tensor
 from .values import contiguous
 
 if TYPE_CHECKING:
     from .._graph.graph import GraphView
     from .._plugin.ep import MetaDef
 
-__all__ = ["CpuStep", "from_ort", "load_parts", "load_whole", "run_ort", "to_ort", "use_whole"]
+__all__ = [
+    "CpuStep",
+    "from_ort",
+    "host_output",
+    "load_parts",
+    "load_whole",
+    "run_ort",
+    "to_ort",
+    "use_whole",
+]
 
 
 class CpuPart(Protocol):
@@ -159,6 +168,16 @@ def from_ort(value: Any) -> Any:
     if isinstance(value, list):
         return [from_ort(v) for v in value]
     return value
+
+
+def host_output(value: Any) -> Any:
+    """`from_ort`, with the common case first: onnxruntime's tensor outputs are new,
+    C-contiguous numpy arrays of plain values, wrapped as they are (no check repeated)."""
+    if type(value) is np.ndarray:
+        flags = value.flags
+        if flags.c_contiguous and not value.dtype.hasobject:
+            return checked_host_tensor(value, readonly=not flags.writeable)
+    return from_ort(value)
 
 
 def to_ort(value: Any) -> Any:

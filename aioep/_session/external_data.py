@@ -81,9 +81,16 @@ def _format_error(name: str, what: str) -> InvalidArgument:
 
 
 def _parse_int(name: str, key: str, value: str, maximum: int) -> int:
-    if not _INTEGER.fullmatch(value) or int(value) > maximum:
+    # The length first: int() refuses strings of over 4,300 digits with its own ValueError,
+    # and no value in range has more digits than the maximum (a sign aside).
+    if (
+        not _INTEGER.fullmatch(value)
+        or len(value.lstrip("-").lstrip("0")) > len(str(maximum))
+        or int(value) > maximum
+    ):
+        shown = value if len(value) <= 40 else f"{value[:20]}...({len(value)} characters)"
         raise InvalidArgument(
-            f"initializer {name!r}: Failed to parse value {value!r} of external data key "
+            f"initializer {name!r}: Failed to parse value {shown!r} of external data key "
             f"{key!r} as an integer in [0, {maximum}]"
         )
     number = int(value)

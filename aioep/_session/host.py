@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import numpy.typing as npt
 
+    from .._base.budget import InlineBudget
     from .._base.types import DeviceType, MemoryDevice, MemoryInfo
     from .._copies.future import CopyFuture
     from .._plugin.allocator import Allocator
@@ -39,6 +40,11 @@ class SessionHost(Protocol):
     @property
     def scope(self) -> Scope:
         """The environment's ownership scope: device tensors of other environments are refused."""
+        ...
+
+    @property
+    def inline_budget(self) -> InlineBudget:
+        """Decides which CPU-only runs go inline on the event loop (`InlineBudget`)."""
         ...
 
     def check_open(self) -> None:

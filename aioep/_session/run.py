@@ -23,7 +23,8 @@ from .._base.types import DeviceType, MemoryDevice
 from .._memory.foreign import import_feeds
 from .._plugin.stream import SyncStream
 from .._plugin.tensor import Tensor
-from .cpu_fallback import from_ort, run_ort, to_ort
+from .cpu_fallback import host_output, run_ort, to_ort
+from .direct import DirectRuns
 from .values import (
     HostArray,
     MapValue,
@@ -44,7 +45,10 @@ if TYPE_CHECKING:
     from .plan import PlanStep, SessionPlan
     from .workers import Workers
 
-__all__ = ["Runner", "terminated"]
+__all__ = [
+    "Runner",
+    "terminated",
+]
 
 _LOCATIONS = ("device", "host")
 
@@ -52,7 +56,7 @@ _LOCATIONS = ("device", "host")
 class Runner:
     """Runs a session's plan; runs from many tasks may overlap, each keeps its own state."""
 
-    __slots__ = ("_held", "_owner", "env", "eps", "plan", "workers")
+    __slots__ = ("_held", "_owner", "direct_runs", "env", "eps", "plan", "workers")
 
     def __init__(
         self,
@@ -69,6 +73,15 @@ class Runner:
         self._held: list[tuple[list[Notification], object]] = []
         # The session, named in error messages; weakly, so the session is freed when dropped.
         self._owner = weakref.ref(owner)
+        self.direct_runs = DirectRuns(env, workers)
+
+    def prepared(self, single_threaded: bool) -> None:
+        """The plan is built: work out how direct runs are fed and timed."""
+        self.direct_runs.prepare(self.plan, single_threaded)
+
+    def close(self) -> None:
+        """The session is closing: the inline budget forgets its kinds."""
+        self.direct_runs.close()
 
     @property
     def owner(self) -> object:
@@ -89,15 +102,20 @@ class Runner:
                 "run: output_location must be 'device' or 'host', got "
                 f"{describe_value(output_location)}"
             )
+        direct = self.plan.direct
+        if direct is not None and stream is None:
+            # onnxruntime runs the whole model: host arrays go to it as they are.
+            feeds = self.direct_runs.feeds(inputs)
+            if feeds is not None:
+                results = await self.direct_runs.run(direct, feeds, None, None)
+                return _by_name(direct.ort_outputs, results)
         streams, user_ready = self._streams_for(stream)
         inputs = await import_feeds(self.env.importers, inputs, stream)
-        plan = self.plan
-        if plan.direct is not None and stream is None:
-            feeds = host_feeds(plan.input_specs, inputs)
+        if direct is not None and stream is None:
+            feeds = host_feeds(self.plan.input_specs, inputs)
             if feeds is not None:
-                step = plan.direct
-                results = await self.workers.call(run_ort, step.ort_session, feeds)
-                return {name: from_ort(value) for name, value in zip(step.ort_outputs, results)}
+                results = await self.direct_runs.run(direct, feeds, None, None)
+                return _by_name(direct.ort_outputs, results)
         return await self._execute(inputs, streams, user_ready, stream, output_location, into)
 
     async def run_ort_form(
@@ -110,15 +128,17 @@ class Runner:
         """One run in onnxruntime's form: the outputs ``names`` (graph outputs) on the host,
         as ``InferenceSession.run`` gives them; ``run_options`` an ``onnxruntime.RunOptions``
         or None."""
+        direct = self.plan.direct
+        if direct is not None and stream is None:
+            feeds = self.direct_runs.feeds(inputs)
+            if feeds is not None:  # onnxruntime's own answer, as it is
+                return await self.direct_runs.run(direct, feeds, list(names), run_options)
         streams, user_ready = self._streams_for(stream)
         inputs = await import_feeds(self.env.importers, inputs, stream)
-        plan = self.plan
-        if plan.direct is not None and stream is None:
-            feeds = host_feeds(plan.input_specs, inputs)
-            if feeds is not None:  # onnxruntime's own answer, as it is
-                return await self.workers.call(
-                    run_ort, plan.direct.ort_session, feeds, list(names), run_options
-                )
+        if direct is not None and stream is None:
+            feeds = host_feeds(self.plan.input_specs, inputs)
+            if feeds is not None:
+                return await self.direct_runs.run(direct, feeds, list(names), run_options)
         outputs = await self._execute(
             inputs, streams, user_ready, stream, "host", None, run_options
         )
@@ -253,7 +273,7 @@ class _Run:
             run_ort, step.ort_session, feeds, None, self.run_options
         )
         for name, produced in zip(step.ort_outputs, results):
-            out = from_ort(produced)
+            out = host_output(produced)
             self.values[name] = (
                 RunValue(out) if isinstance(out, Tensor) else RunValue(None, host=out)
             )
@@ -447,3 +467,8 @@ async def _order(value: RunValue, target: SyncStream | None) -> None:
         target.wait(value.ready)
     else:
         await value.ready
+
+
+def _by_name(names: tuple[str, ...], results: list[Any]) -> dict[str, RunOutput]:
+    """A direct run's outputs by name, as host tensors."""
+    return {name: host_output(value) for name, value in zip(names, results)}

@@ -114,6 +114,7 @@ class Session(AsyncResource):
     async def _prepare(self, opts: Mapping[str, Any], preload: Future[Any] | None) -> None:
         try:
             await self._plan.build(self._env, self._eps, opts, preload, self._workers)
+            self._runner.prepared(opts.get("intra_op_num_threads") == 1)
             direct = self._plan.direct
             if direct is not None:  # onnxruntime runs the whole model: its own NodeArgs
                 self._node_args = ort_node_args(direct.ort_session)
@@ -232,8 +233,15 @@ class Session(AsyncResource):
             EpError: ``run_options.terminate`` is set.
             ClosedError: the session or its environment is closed.
         """
-        if len(args) == 1 and not kwargs and type(args[0]) is dict:  # run(inputs): the most common
-            return await self._run(args[0], None, "device", None)
+        if not kwargs:  # the common calls first: run(inputs), run(None or [names], input_feed)
+            if len(args) == 1 and type(args[0]) is dict:
+                return await self._run(args[0], None, "device", None)
+            if (
+                len(args) == 2
+                and type(args[1]) is dict
+                and (args[0] is None or type(args[0]) is list)
+            ):
+                return await self._run_ort(args[0], args[1], None, None)
         if args:
             first = args[0]
             if type(first) is dict or isinstance(first, Mapping):
@@ -288,7 +296,7 @@ class Session(AsyncResource):
     ) -> list[OrtOutput]:
         """onnxruntime's form of `run`, counted as in flight like `_run`."""
         names = self._selected_outputs(output_names)
-        if not isinstance(input_feed, Mapping):
+        if type(input_feed) is not dict and not isinstance(input_feed, Mapping):
             pairs = isinstance(input_feed, (list, tuple))
             raise InvalidArgument(
                 f"run: input_feed must map input names to values, got {describe_value(input_feed)}"
@@ -387,6 +395,7 @@ class Session(AsyncResource):
                 await self._idle.wait()
             await self._plan.close_streams()
             await self._runner.drain()
+            self._runner.close()
             await self._plan.release()
             for ep in self._eps:
                 ep.release()

@@ -956,3 +956,14 @@ def test_arena_buffer_free_is_idempotent_pinned_and_released_on_drop() -> None:
     a.alloc(1000)  # dropped at once
     assert a.live_buffers == 0
     assert a.stats()["InUse"] == 0
+
+
+@pytest.mark.parametrize("nbytes", [9151314442816847873, 1 << 63, (1 << 64) - 1])
+def test_sizes_near_two_to_the_64_are_out_of_memory_not_a_crash(nbytes: int) -> None:
+    """The fast path rounds such a size to a class whose cache list has no larger neighbour
+    (it raised IndexError): the arena says it is out of memory, and stays usable."""
+    arena = ArenaAllocator(HostAllocator())
+    with pytest.raises(DeviceError, match="out of memory"):
+        arena.alloc(nbytes)
+    arena.alloc(64).free()
+    assert arena.stats()["NumAllocs"] >= 1

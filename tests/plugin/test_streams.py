@@ -400,12 +400,14 @@ async def test_sync_wait_with_timeout_from_a_plain_thread(make_env: MakeEnv) -> 
         results: dict[str, Any] = {}
 
         def sync_code() -> None:
-            for name, fn in (("n", lambda: n.wait(0.01)), ("f", lambda: fut.wait(0.01))):
-                try:
-                    fn()
-                except TimeoutError as exc:
-                    results[name] = exc
-            impl.set()
+            try:
+                for name, fn in (("n", lambda: n.wait(0.01)), ("f", lambda: fut.wait(0.01))):
+                    try:
+                        fn()
+                    except TimeoutError as exc:
+                        results[name] = exc
+            finally:
+                impl.set()  # whatever happened, the stream's work ends (the test fails, not hangs)
             n.wait(10)
             results["tensors"] = fut.wait(10)
 
@@ -417,6 +419,24 @@ async def test_sync_wait_with_timeout_from_a_plain_thread(make_env: MakeEnv) -> 
         assert results["tensors"][0] is buf
         assert fut.status is aioep.CopyStatus.DONE
         assert fut.result() == [buf]
+
+
+def test_loop_detection_without_trios_in_trio_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trio older than 0.27 (the lowest declared version) has no ``in_trio_run``: a trio run
+    is still found on its thread, and a plain thread is still not one."""
+    trio = pytest.importorskip("trio")
+    from aioep._plugin.wake import runs_event_loop
+
+    monkeypatch.delattr(trio.lowlevel, "in_trio_run", raising=False)
+    found: dict[str, bool] = {}
+
+    async def in_run() -> None:
+        found["run"] = runs_event_loop()
+        found["worker"] = await trio.to_thread.run_sync(runs_event_loop)
+
+    trio.run(in_run)
+    assert found == {"run": True, "worker": False}
+    assert runs_event_loop() is False
 
 
 async def test_blocking_wait_on_the_loop_thread_warns_only_while_pending(
