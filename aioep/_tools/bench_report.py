@@ -100,23 +100,20 @@ def format_report(report: BenchReport) -> str:
         title = f"copy latency, {LATENCY_BYTES // KiB} KiB (us, median)"
         lines += [
             "",
-            f"{title:<32}{'aioep':>10}{'fair floor':>12}{'ratio':>8}{'to_thread':>11}{'ratio':>8}",
+            f"{title:<32}{'aioep':>8}{'fair floor':>12}{'ratio':>8}{'to_thread':>11}{'ratio':>8}",
         ]
         for q in report.copy_latency:
             fair = q.aioep_us / q.baseline_us if q.baseline_us else math.nan
             naive = q.aioep_us / q.naive_us if q.naive_us else math.nan
             lines.append(
-                f"  {q.name:<30}{q.aioep_us:>10.1f}{q.baseline_us:>12.1f}{fair:>8.2f}"
+                f"  {q.name:<30}{q.aioep_us:>8.1f}{q.baseline_us:>12.1f}{fair:>8.2f}"
                 f"{q.naive_us:>11.1f}{naive:>8.2f}"
             )
         floors = sorted({q.baseline for q in report.copy_latency})
-        lines.append(
-            "  fair floor: the same copy with the same thread hops ("
-            + "; ".join(
-                f"{f}: {', '.join(q.name for q in report.copy_latency if q.baseline == f)}"
-                for f in floors
-            )
-            + ")"
+        lines.append("  fair floor: the same copy with the same thread hops, for")
+        lines.extend(
+            f"    {', '.join(q.name for q in report.copy_latency if q.baseline == f)}: {f}"
+            for f in floors
         )
     if report.wake_latency:
         title = "wake latency (us, median)"
@@ -125,9 +122,7 @@ def format_report(report: BenchReport) -> str:
         for q in report.wake_latency:
             ratio = q.aioep_us / q.baseline_us if q.baseline_us else math.nan
             lines.append(f"  {q.name:<30}{q.aioep_us:>10.1f}{q.baseline_us:>22.1f}{ratio:>8.2f}")
-        lines.append(
-            "  baseline: a persistent thread calling call_soon_threadsafe after the same memcpy"
-        )
+        lines.append("  baseline: a persistent thread's call_soon_threadsafe after the same memcpy")
     return "\n".join(lines)
 
 
