@@ -71,15 +71,23 @@ def ratios(stats: dict[str, dict[str, float]], ours: str, baselines: list[str]) 
 
 
 class FloorThread:
-    """A persistent worker thread: runs ``work()`` for each request, then completes the
-    request's asyncio future with ``loop.call_soon_threadsafe`` (one hop each way)."""
+    """Persistent worker threads (one unless ``threads`` says more) on one queue: each runs
+    ``work()`` for a request, then completes the request's asyncio future with
+    ``loop.call_soon_threadsafe`` (one hop each way). Several are the floor of concurrent
+    hops."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[[], object]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, work: Callable[[], object], threads: int = 1
+    ) -> None:
         self._loop = loop
         self._work = work
         self._jobs: queue.SimpleQueue[asyncio.Future[None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="floor", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"floor-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
         get, work, call = self._jobs.get, self._work, self._loop.call_soon_threadsafe
@@ -91,14 +99,16 @@ class FloorThread:
             call(fut.set_result, None)
 
     async def hop(self) -> None:
-        """Hand the work to the thread and await its completion."""
+        """Hand the work to a thread and await its completion."""
         fut = self._loop.create_future()
         self._jobs.put(fut)
         await fut
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
 
 
 def machine() -> dict[str, Any]:

@@ -57,7 +57,6 @@ import copy
 import gc
 import json
 import os
-import queue
 import statistics
 import threading
 import time
@@ -156,43 +155,6 @@ def session_workers(session: Any) -> int | None:
     return int(size) if size is not None else None
 
 
-class FloorPool:
-    """``threads`` persistent threads on one queue, each running ``work()`` per request and
-    completing the request's asyncio future with ``call_soon_threadsafe``: the floor of
-    concurrent hops."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[[], object], threads: int):
-        self._loop = loop
-        self._work = work
-        self._jobs: queue.SimpleQueue[asyncio.Future[None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"floor-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        get, work, call = self._jobs.get, self._work, self._loop.call_soon_threadsafe
-        while True:
-            fut = get()
-            if fut is None:
-                return
-            work()
-            call(fut.set_result, None)
-
-    async def hop(self) -> None:
-        fut = self._loop.create_future()
-        self._jobs.put(fut)
-        await fut
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join()
-
-
 def _section(
     samples: dict[str, list[float]], ours: list[str], baselines: list[str]
 ) -> dict[str, Any]:
@@ -258,7 +220,7 @@ async def gathered(
         host = env.ep_devices(device_type=aioep.DeviceType.CPU)[0]
         session = await env.create_session(model, [host], {"intra_op_num_threads": 1})
         threads = session_workers(session) or min(32, (os.cpu_count() or 1) + 4)
-        pool = FloorPool(loop, lambda: base.run(None, feeds), threads)
+        pool = FloorThread(loop, lambda: base.run(None, feeds), threads)
         try:
 
             async def ours() -> None:
